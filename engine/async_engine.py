@@ -1,0 +1,179 @@
+"""Asyncio facade over :class:`LLMEngine`: the step loop runs in its own thread.
+
+Callers on the event loop never touch the engine directly. They put commands (add, abort) on
+a thread-safe queue; the engine thread drains it before every step, so an abort frees the
+request's blocks within one step. Outputs travel back through ``loop.call_soon_threadsafe``
+into one ``asyncio.Queue`` per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    priority: int
+    sink: Callable[[RequestOutput | BaseException], None]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncLLM:
+    """``async for delta in llm.generate(...)`` over an engine stepping in a background thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
+        self._ids = itertools.count()
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, progress: bool = True) -> AsyncLLM:
+        return cls(LLMEngine(config, progress=progress))
+
+    # ------------------------------------------------------------------ event-loop side
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream deltas; leaving the loop early (break, cancel) aborts the request."""
+        if self._error is not None or self._stopped.is_set():
+            raise EngineDeadError(f"engine is not running: {self._error}")
+        rid = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+        def sink(item: RequestOutput | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # the caller's event loop has closed: nobody is listening
+                pass
+
+        self._commands.put(_Add(rid, prompt, prompt_token_ids,
+                                sampling_params or SamplingParams(), priority, sink))
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request's blocks are freed before the next step."""
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain_commands(block):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+        except BaseException as exc:  # the loop itself broke: fail every waiter
+            log.exception("engine loop died")
+            self._error = exc
+            for sink in self._sinks.values():
+                sink(EngineDeadError(f"engine loop died: {exc}"))
+            self._sinks.clear()
+        finally:
+            self._stopped.set()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; wait for one when idle. False means shut down."""
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return True
+            block = False
+            if command is None:
+                return False
+            if isinstance(command, _Abort):
+                self._deliver(self.engine.abort(command.request_id))
+            else:
+                self._add(command)
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt, command.params,
+                prompt_token_ids=command.prompt_token_ids, priority=command.priority)
+        except Exception as exc:  # invalid request: report to its caller only
+            command.sink(exc)
+            return
+        self._sinks[command.request_id] = command.sink
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink(out)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for health/metrics endpoints (read without locking: approximate)."""
+        kv = self.engine.kv.stats()
+        return {
+            "num_running": len(self.engine.scheduler.running),
+            "num_waiting": len(self.engine.scheduler.waiting),
+            "kv_usage": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_preemptions": self.engine.scheduler.num_preemptions,
+        }

@@ -1,0 +1,56 @@
+"""Engine configuration: one frozen dataclass, validated once, built in one place, passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConfigError(ValueError):
+    """An engine setting is invalid; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of one engine instance.
+
+    ``kv_cache_memory`` (bytes) sizes the block pool unless ``num_kv_blocks`` is given.
+    ``max_model_len`` defaults to the model's ``max_position_embeddings`` (capped at 8192).
+    """
+
+    model: str | None = None  # None = the embedded default (SmolLM2-135M-Instruct)
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    attention_backend: str = "auto"  # auto | torch | triton
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not 1 <= self.block_size <= 256:
+            raise ConfigError(f"block_size must be in [1, 256], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory < 1:
+            raise ConfigError("kv_cache_memory must be positive")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len must be >= 2")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError("attention_backend must be auto, torch or triton")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,222 @@
+"""The synchronous engine: ``add_request``, ``step``, ``abort``.
+
+Data flow of one step: the scheduler assigns tokens to requests (``SchedulerOutput``), the
+model runner computes and samples, the scheduler advances progress and applies token-level
+stops, and the output processor turns new tokens into text deltas (stop strings included).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine import loader
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import KVCacheManager, cdiv
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput, Usage
+from engine.request import Request, RequestStatus
+from engine.sampling_params import InvalidParameterError, SamplingParams
+from engine.scheduler import RequestUpdate, Scheduler
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class InvalidRequestError(InvalidParameterError):
+    """A request cannot be served as asked (too long, empty, bad token ids, duplicate id)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_dir: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+        self.config = config
+        model_dir = loader.resolve_model(config.model, progress=progress)
+        hf_config = loader.load_config(model_dir)
+        self.tokenizer = loader.load_tokenizer(model_dir)
+        self.eos_token_ids = loader.eos_token_ids(model_dir, hf_config, self.tokenizer)
+        self.max_model_len = self._max_model_len(hf_config)
+        self.runner = ModelRunner(config, model_dir, hf_config, self.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.info = ModelInfo(str(model_dir), hf_config.architectures[0], self.max_model_len,
+                              self.runner.vocab_size, self.runner.num_blocks, config.block_size)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def _max_model_len(self, hf_config: Any) -> int:
+        limit = hf_config.max_position_embeddings
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            limit = min(limit, window)  # we attend to the full context: stay inside the window
+        if self.config.max_model_len is not None:
+            return min(self.config.max_model_len, limit)
+        return min(limit, DEFAULT_MAX_MODEL_LEN)
+
+    # ------------------------------------------------------------------ requests
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        return list(ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; raises :class:`InvalidRequestError` naming the bad field."""
+        params = sampling_params or SamplingParams()
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt", "give a prompt string or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = list(prompt_token_ids)
+        self._validate_prompt(ids)
+        request = Request(request_id, ids, params, self.eos_token_ids, priority=priority)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
+        self.scheduler.add_request(request)
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab = self.runner.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError("prompt_token_ids", f"token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {len(ids)} tokens; this model's context is "
+                f"{self.max_model_len} and at least one new token must fit")
+        if cdiv(len(ids) + 1, self.config.block_size) > self.kv.pool.num_blocks:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {len(ids)} tokens, more than the KV cache holds "
+                f"({self.kv.pool.num_blocks * self.config.block_size} tokens)")
+
+    def abort(self, request_ids: list[str] | str) -> list[RequestOutput]:
+        """End requests now (their blocks are free when this returns)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        finished = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return [self._final_output(r, "", []) for r in finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return self._fail_unschedulable()
+        now = time.monotonic()
+        for s in sched.requests:
+            request = self.scheduler.requests[s.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:  # one bad step must not take the engine down
+            log.exception("model step failed")
+            ids = [s.request_id for s in sched.requests]
+            failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            return [self._final_output(r, "", [], error=f"{type(exc).__name__}: {exc}")
+                    for r in failed]
+        updates = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
+        return [out for u in updates if (out := self._process(u)) is not None]
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """Nothing could run although requests wait: the head request can never fit."""
+        if not self.scheduler.waiting or self.scheduler.running:
+            return []
+        head = self.scheduler.waiting[0]
+        failed = self.scheduler.finish_requests([head.request_id], RequestStatus.FINISHED_ERROR)
+        return [self._final_output(r, "", [], error="the KV cache is too small for this request")
+                for r in failed]
+
+    def _process(self, update: RequestUpdate) -> RequestOutput | None:
+        request = update.request
+        detok = self._detokenizers[request.request_id]
+        delta = detok.add_tokens(update.new_token_ids) if update.new_token_ids else None
+        text = delta.text if delta else ""
+        if delta is not None and delta.stop_str is not None and not update.finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            request.stop_reason = delta.stop_str
+            return self._final_output(request, text, update.new_token_ids)
+        if update.finished:
+            if delta is not None and delta.stop_str is not None:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, delta.stop_str
+            return self._final_output(request, text, update.new_token_ids)
+        if not text and not update.new_token_ids:
+            return None
+        lp = request.output_logprobs[-len(update.new_token_ids):] \
+            if request.sampling_params.logprobs and update.new_token_ids else None
+        return RequestOutput(request.request_id, text, update.new_token_ids, logprobs=lp)
+
+    def _final_output(self, request: Request, text: str, new_tokens: list[int],
+                      error: str | None = None) -> RequestOutput:
+        detok = self._detokenizers.pop(request.request_id, None)
+        if detok is not None and request.status != RequestStatus.FINISHED_STOPPED:
+            text += detok.finish()
+        n = len(new_tokens)
+        lp = request.output_logprobs[-n:] if request.sampling_params.logprobs and n else None
+        return RequestOutput(
+            request_id=request.request_id, text=text, token_ids=new_tokens, finished=True,
+            finish_reason=request.status.value, stop_reason=request.stop_reason,
+            logprobs=lp, usage=self._usage(request), error=error or request.error)
+
+    @staticmethod
+    def _usage(request: Request) -> Usage:
+        now = time.monotonic()
+        first = request.first_token_time
+        scheduled = request.first_scheduled_time
+        return Usage(
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens,
+            num_preemptions=request.num_preemptions,
+            queue_time=(scheduled - request.arrival_time) if scheduled else now - request.arrival_time,
+            ttft=(first - request.arrival_time) if first else None,
+            decode_time=(now - first) if first else 0.0,
+        )
+
+    # ------------------------------------------------------------------ convenience
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; one merged output per prompt (for scripts and tests)."""
+        ids = [f"gen-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            if isinstance(prompt, str):
+                self.add_request(rid, prompt, params)
+            else:
+                self.add_request(rid, sampling_params=params, prompt_token_ids=prompt)
+        merged = {rid: ([], []) for rid in ids}
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                merged[out.request_id][0].append(out.text)
+                merged[out.request_id][1].extend(out.token_ids)
+                if out.finished:
+                    final[out.request_id] = out
+        return [
+            RequestOutput(rid, "".join(merged[rid][0]), merged[rid][1], True,
+                          final[rid].finish_reason, final[rid].stop_reason,
+                          usage=final[rid].usage, error=final[rid].error)
+            for rid in ids
+        ]

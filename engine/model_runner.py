@@ -1,0 +1,141 @@
+"""Runs one scheduled step: builds the flat batch, runs the model, samples.
+
+The runner owns the model weights and the K/V tensors. It reads block tables from the
+``SchedulerOutput`` it is given and never edits them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from engine import loader
+from engine.config import EngineConfig
+from engine.kv_cache import kv_bytes_per_block
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import SamplingBatch, sample
+from engine.scheduler import SchedulerOutput
+from kernels import paged_attention_ref
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    logits_indices: torch.Tensor  # [num_sample_rows] int64 rows of the flat batch to score
+    sample_requests: list[int]  # indices into SchedulerOutput.requests that sample this step
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled: list[list[int]]  # per scheduled request: accepted tokens (empty if none)
+    logprobs: list[list[float]] | None
+
+
+def select_attention_backend(name: str) -> ModuleType:
+    """The torch reference everywhere for now; the Triton path plugs in behind this interface."""
+    if name == "triton":
+        raise ValueError("the triton attention backend is not available in this build")
+    return paged_attention_ref
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Any, hf_config: Any,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.dtype = config.torch_dtype
+        self.backend = select_attention_backend(config.attention_backend)
+        start = time.perf_counter()
+        self.model = LlamaForCausalLM(hf_config, self.dtype, max_model_len, self.backend)
+        self.model.load_weights(
+            (name, t.to(self.dtype)) for name, t in loader.iter_safetensors(model_dir))
+        self.model.eval()
+        log.info("loaded weights in %.2fs", time.perf_counter() - start)
+        self.num_blocks = self._num_blocks()
+        shape = self.model.shape
+        self.kv_caches = [
+            torch.zeros(2, self.num_blocks, config.block_size, shape.num_kv_heads,
+                        shape.head_dim, dtype=self.dtype)
+            for _ in range(shape.num_layers)
+        ]
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.shape.vocab_size
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        s = self.model.shape
+        per_block = kv_bytes_per_block(self.config.block_size, s.num_layers, s.num_kv_heads,
+                                       s.head_dim, self.dtype.itemsize)
+        return max(self.config.kv_cache_memory // per_block, 1)
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, Any]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sample_requests: list[int] = []
+        for i, req in enumerate(sched.requests):
+            n = req.num_tokens
+            input_ids += req.token_ids
+            positions += range(req.start_pos, req.start_pos + n)
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(req.start_pos + n)
+            if req.sample:
+                end = query_start_loc[-1]
+                logits_indices += range(end - 1 - req.num_draft_tokens, end)
+                sample_requests.append(i)
+        meta = self.backend.build_metadata(
+            query_start_loc, seq_lens, [list(r.block_table) for r in sched.requests],
+            self.config.block_size)
+        inputs = StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            sample_requests=sample_requests,
+        )
+        return inputs, meta
+
+    @torch.inference_mode()
+    def forward_logits(self, inputs: StepInputs, meta: Any) -> torch.Tensor:
+        """Logits at the rows to sample: ``[num_sample_rows, vocab]`` float32."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        inputs, meta = self.prepare(sched)
+        sampled: list[list[int]] = [[] for _ in sched.requests]
+        if not inputs.sample_requests:
+            self.forward_logits(inputs, meta)
+            return RunnerOutput(sampled, None)
+        logits = self.forward_logits(inputs, meta)  # [num_sample_rows, vocab]
+        reqs = [sched.requests[i] for i in inputs.sample_requests]
+        assert all(r.num_draft_tokens == 0 for r in reqs), "drafts need the spec verifier"
+        batch = SamplingBatch(
+            params=[r.sampling_params for r in reqs],
+            generators=[r.generator for r in reqs],
+            prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs],
+            default_generator=self.default_generator,
+        )
+        result = sample(logits, batch)
+        tokens = result.token_ids.tolist()
+        want_logprobs = result.logprobs is not None
+        logprob_rows: list[list[float]] = [[] for _ in sched.requests]
+        lp = result.logprobs.tolist() if result.logprobs is not None else []
+        for row, i in enumerate(inputs.sample_requests):
+            sampled[i] = [tokens[row]]
+            if want_logprobs:
+                logprob_rows[i] = [lp[row]]
+        return RunnerOutput(sampled, logprob_rows if want_logprobs else None)

@@ -1,0 +1,330 @@
+"""Next-token sampling: penalties, temperature, top-k / top-p / min-p filters, seeded draws.
+
+Pure functions over torch tensors, vectorised across the batch: the only Python loops run
+over requests (rows), never over the vocabulary. Fast paths: an all-greedy batch without
+penalties is a single argmax; penalties are skipped when no request uses them; nothing is
+sorted when no request uses top-k / top-p; top-k (with or without top-p) takes a partial
+``topk`` of max(k) + 1 values, and top-p alone first tries the 1024 largest, sorting the
+whole vocabulary only when those hold less than top_p of the mass (flat distributions).
+
+Filter semantics (shared with the speculative rejection sampler through
+:func:`apply_temperature_and_filters`) are value thresholds, so a row's result does not
+depend on how ties are ordered, nor (up to float rounding of the normalisation) on which
+other rows are in the batch or which of the paths above was taken:
+
+* top-k keeps every token whose logit is >= the k-th largest (ties at the cut-off are kept);
+* top-p, applied to the top-k survivors renormalised, keeps the smallest prefix of the
+  descending order whose probability mass is >= top_p (at least the top token), plus ties
+  at the last kept value;
+* min-p drops tokens whose probability is < min_p * the top token's probability, computed in
+  logit space as ``logit < max_logit + log(min_p)`` (the ratio is unchanged by the other
+  filters, so min-p commutes with them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling inputs, one row per request that samples this step."""
+
+    params: list[SamplingParams]
+    # Per-request seeded generator, or None -> draw from `default_generator`.
+    generators: list[torch.Generator | None]
+    prompt_token_ids: list[list[int]]  # used only for repetition_penalty
+    output_token_ids: list[list[int]]  # used for all three penalties
+    default_generator: torch.Generator | None = None  # None -> torch's global generator
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [batch] int64
+    # [batch] float32: log_softmax of the RAW logits (before penalties / temperature) at the
+    # chosen token; None when no request asked for logprobs.
+    logprobs: torch.Tensor | None
+
+
+# ---------------------------------------------------------------------------------------
+# Penalties
+# ---------------------------------------------------------------------------------------
+
+
+def _row_values(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A per-row float32 column ``[rows, 1]`` on ``like``'s device."""
+    return torch.tensor(values, dtype=torch.float32, device=like.device).unsqueeze(1)
+
+
+def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token id occurs in each row's list: ``[rows, vocab]`` float32.
+
+    The lists are padded with the out-of-range id ``vocab``, scattered into a
+    ``[rows, vocab + 1]`` buffer, and the padding column is dropped.
+    """
+    rows = [torch.as_tensor(ids, dtype=torch.long) for ids in id_lists]
+    padded = pad_sequence(rows, batch_first=True, padding_value=vocab).to(device)  # [R, L]
+    counts = torch.zeros(len(rows), vocab + 1, dtype=torch.float32, device=device)  # [R, V+1]
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]  # [R, V]
+
+
+def _penalise_rows(
+    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+    outputs: list[list[int]],
+) -> torch.Tensor:
+    """Penalties for rows that all use at least one; ``logits`` is ``[R, V]`` float32."""
+    vocab, device = logits.shape[-1], logits.device
+    out_counts = _token_counts(outputs, vocab, device)  # [R, V]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        used = [ids if p.repetition_penalty != 1.0 else [] for p, ids in
+                zip(params, prompts, strict=True)]
+        seen = (_token_counts(used, vocab, device) > 0) | (out_counts > 0)  # [R, V] bool
+        rep = _row_values([p.repetition_penalty for p in params], logits)  # [R, 1]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)  # [R, V]
+        logits = torch.where(seen, penalised, logits)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        presence = _row_values([p.presence_penalty for p in params], logits)  # [R, 1]
+        frequency = _row_values([p.frequency_penalty for p in params], logits)  # [R, 1]
+        logits = logits - frequency * out_counts - presence * (out_counts > 0)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition, presence and frequency penalties; ``logits`` is ``[B, V]`` float32.
+
+    * repetition (HF / CTRL): logits of tokens seen in prompt + output are divided by the
+      penalty when positive and multiplied by it otherwise;
+    * presence / frequency (OpenAI): ``logit -= presence * (count > 0) + frequency * count``
+      with ``count`` taken over output tokens only.
+
+    Only rows that use a penalty are touched; the input is never modified in place (the
+    same tensor is returned when no row uses a penalty).
+    """
+    rows = [i for i, p in enumerate(batch.params) if p.uses_penalties]
+    if not rows:
+        return logits
+    whole = len(rows) == logits.shape[0]
+    penalised = _penalise_rows(
+        logits if whole else logits[rows],
+        [batch.params[i] for i in rows],
+        [batch.prompt_token_ids[i] for i in rows],
+        [batch.output_token_ids[i] for i in rows],
+    )  # [R, V]
+    if whole:
+        return penalised
+    out = logits.clone()  # [B, V]
+    out[rows] = penalised
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Temperature and filters
+# ---------------------------------------------------------------------------------------
+
+
+# Top-p rows without top-k first look for their cut-off among this many largest logits
+# (a partial ``topk``); only when those hold less than top_p of the mass is the whole
+# vocabulary sorted.
+_TOP_P_CANDIDATES = 1024
+
+
+def _top_p_cutoff(
+    cands: torch.Tensor, kth: torch.Tensor, logits: torch.Tensor, top_p: torch.Tensor,
+    use_k: torch.Tensor, use_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row top-p cut-off value ``[B, 1]`` (-inf for rows without top-p).
+
+    ``cands`` ``[B, n]`` holds each row's n largest logits in descending order and ``kth``
+    ``[B, 1]`` the top-k cut-off; the mass is over the top-k survivors, renormalised (the
+    whole row when a row has no top-k). Also returns ``settled`` ``[B]`` bool: False where
+    the candidates hold less than top_p of the mass, so the prefix may run past them.
+    """
+    survivors = cands.masked_fill(cands < kth, _NEG_INF)  # [B, n]
+    log_z = torch.logsumexp(survivors, dim=-1)  # [B]
+    if bool((use_p & ~use_k).any()):
+        log_z = torch.where(use_k, log_z, torch.logsumexp(logits, dim=-1))
+    probs = torch.exp(survivors - log_z.unsqueeze(1))  # [B, n]
+    cum = torch.cumsum(probs, dim=-1)  # [B, n]
+    mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # [B, n]
+    n_keep = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)  # [B, 1], >= 1
+    cutoff = cands.gather(1, n_keep - 1).masked_fill(~use_p.unsqueeze(1), _NEG_INF)
+    settled = use_k | ~use_p | (cum[:, -1] >= top_p)  # [B]
+    return cutoff, settled
+
+
+def _top_k_top_p_cutoff(
+    logits: torch.Tensor, n: int, top_k: torch.Tensor, top_p: torch.Tensor,
+    use_k: torch.Tensor, use_p: torch.Tensor,
+) -> torch.Tensor | None:
+    """Per-row cut-off ``[B, 1]`` found among the ``n`` largest logits of each row.
+
+    None when ``n`` candidates cannot settle it: top-k ties reaching the last candidate
+    (their mass would be missing from the top-p normalisation), or a top-p prefix that may
+    run past the candidates. With ``n == V`` it always succeeds.
+    """
+    vocab = logits.shape[-1]
+    if n == vocab:
+        cands = torch.sort(logits, dim=-1, descending=True).values  # [B, V]
+    else:
+        cands = torch.topk(logits, n, dim=-1, sorted=True).values  # [B, n]
+    k_index = torch.where(use_k, top_k, 1).unsqueeze(1) - 1  # [B, 1]
+    kth = cands.gather(1, k_index).masked_fill(~use_k.unsqueeze(1), _NEG_INF)  # [B, 1]
+    if not bool(use_p.any()):
+        return kth  # top-k alone: the k-th value needs no normalisation
+    partial = n < vocab
+    if partial and bool((use_k & use_p & (kth.squeeze(1) == cands[:, -1])).any()):
+        return None
+    p_cutoff, settled = _top_p_cutoff(cands, kth, logits, top_p, use_k, use_p)
+    if partial and not bool(settled.all()):
+        return None
+    return torch.maximum(kth, p_cutoff)  # [B, 1]
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+) -> torch.Tensor:
+    """Mask tokens outside top-k and then top-p with -inf; ``logits`` is ``[B, V]``."""
+    vocab = logits.shape[-1]
+    top_k = top_k.to(device=logits.device, dtype=torch.long)  # [B]
+    top_p = top_p.to(device=logits.device, dtype=logits.dtype)  # [B]
+    use_k = (top_k > 0) & (top_k < vocab)  # [B]
+    use_p = top_p < 1.0  # [B]
+    if not bool((use_k | use_p).any()):
+        return logits
+    # One past the largest k, so that top-k ties running past the candidates are detected.
+    n = int(top_k[use_k].max()) + 1 if bool(use_k.any()) else 1
+    if bool((use_p & ~use_k).any()):
+        n = max(n, _TOP_P_CANDIDATES)
+    cutoff = _top_k_top_p_cutoff(logits, min(n, vocab), top_k, top_p, use_k, use_p)
+    if cutoff is None:
+        cutoff = _top_k_top_p_cutoff(logits, vocab, top_k, top_p, use_k, use_p)
+    assert cutoff is not None
+    return logits.masked_fill(logits < cutoff, _NEG_INF)  # [B, V]
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p)."""
+    log_min_p = torch.log(min_p.to(device=logits.device, dtype=logits.dtype))  # [B]
+    cutoff = logits.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)  # [B, 1]
+    return logits.masked_fill(logits < cutoff, _NEG_INF)  # log(0) = -inf: row untouched
+
+
+def apply_temperature_and_filters(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """``logits / temperature`` with filtered-out entries set to -inf.
+
+    ``logits`` is ``[B, V]`` float; per-row parameters: ``temperature`` ``[B]`` float (> 0),
+    ``top_k`` ``[B]`` int (0 or >= V = off), ``top_p`` ``[B]`` float (1 = off), ``min_p``
+    ``[B]`` float (0 = off). Filters use the module docstring's threshold semantics. The
+    input is never modified; it is returned as is when nothing applies. Deterministic.
+    """
+    temperature = temperature.to(device=logits.device, dtype=logits.dtype)  # [B]
+    if bool((temperature != 1.0).any()):
+        logits = logits / temperature.unsqueeze(1)  # [B, V]
+    logits = _apply_top_k_top_p(logits, top_k, top_p)
+    if bool((min_p > 0).any()):
+        logits = _apply_min_p(logits, min_p)
+    return logits
+
+
+# ---------------------------------------------------------------------------------------
+# Drawing and the per-step entry point
+# ---------------------------------------------------------------------------------------
+
+
+def sample_from_probs(
+    probs: torch.Tensor,
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row of ``probs`` ``[B, V]``: ``argmax(probs / q)``, ``q ~ Exp(1)``.
+
+    ``q = -log(u)``, ``u ~ U[0, 1)`` (several times faster on CPU than ``exponential_``).
+    The exponential race picks token i with probability ``probs[i] / sum(probs)``. Row i's
+    noise comes from ``generators[i]`` alone, so a seeded row draws the same tokens whatever
+    it is batched with; rows with ``None`` share one draw from ``default_generator``.
+    Returns ``[B]`` int64.
+    """
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
+    u = torch.empty_like(probs, dtype=torch.float32)  # [B, V] uniform in [0, 1)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
+        u.uniform_(generator=default_generator)
+    elif len(seeded) < len(generators):
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        noise = torch.empty(len(unseeded), probs.shape[1], device=probs.device)  # [U, V]
+        u[unseeded] = noise.uniform_(generator=default_generator)
+    for i in seeded:
+        u[i].uniform_(generator=default_generator)
+    q = u.log_().neg_()  # [B, V] Exp(1) by inversion; u == 0 gives q = inf, never nan
+    return (probs / q).argmax(dim=-1)  # [B]
+
+
+def _sample_rows(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+    """Draw for the non-greedy ``rows``; ``logits`` ``[R, V]`` holds just those rows."""
+    params = [batch.params[i] for i in rows]
+
+    def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=logits.device)  # [R]
+
+    filtered = apply_temperature_and_filters(
+        logits,
+        temperature=column([p.temperature for p in params], torch.float32),
+        top_k=column([p.top_k for p in params], torch.long),
+        top_p=column([p.top_p for p in params], torch.float32),
+        min_p=column([p.min_p for p in params], torch.float32),
+    )  # [R, V]
+    probs = torch.softmax(filtered, dim=-1)  # [R, V]
+    generators = [batch.generators[i] for i in rows]
+    return sample_from_probs(probs, generators, batch.default_generator)  # [R]
+
+
+def _pick_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Greedy rows take the argmax, the others are sampled; ``logits`` ``[B, V]`` penalised."""
+    greedy = [i for i, p in enumerate(batch.params) if p.greedy]
+    if len(greedy) == logits.shape[0]:
+        return logits.argmax(dim=-1)  # [B]
+    sampled = [i for i, p in enumerate(batch.params) if not p.greedy]
+    if not greedy:
+        return _sample_rows(logits, batch, sampled)
+    token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # [B]
+    token_ids[greedy] = logits[greedy].argmax(dim=-1)
+    token_ids[sampled] = _sample_rows(logits[sampled], batch, sampled)
+    return token_ids
+
+
+def _chosen_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)`` at ``token_ids``, without materialising the full ``[B, V]``."""
+    chosen = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [B]
+    return chosen - torch.logsumexp(logits, dim=-1)  # [B]
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Pick the next token for every row of ``logits`` ``[B, V]`` (any float dtype).
+
+    Computation is in float32. Greedy rows (temperature 0) take the argmax of the penalised
+    logits; the others go penalties -> temperature + filters -> softmax -> exponential race.
+    """
+    if len(batch.params) != logits.shape[0]:
+        raise ValueError(f"{len(batch.params)} requests for {logits.shape[0]} logit rows")
+    raw = logits.float()  # [B, V]; no copy when already float32, never modified
+    if all(p.greedy and not p.uses_penalties for p in batch.params):
+        token_ids = raw.argmax(dim=-1)  # [B]
+    else:
+        token_ids = _pick_tokens(apply_penalties(raw, batch), batch)  # [B]
+    logprobs = _chosen_logprobs(raw, token_ids) if any(p.logprobs for p in batch.params) else None
+    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

@@ -1,0 +1,200 @@
+"""Iteration-level scheduler: each step, assign tokens to requests under a token budget.
+
+There is no prefill or decode phase: a request is scheduled for
+``num_tokens_with_spec - num_computed_tokens`` tokens (capped by the budget), which is a prefill
+chunk, one decode token or k+1 verification tokens alike. Running requests go first, in order;
+when the KV pool runs short the most recently admitted one is preempted (its blocks freed, its
+progress reset so it is recomputed later). Waiting requests join while budget, sequence slots and
+blocks last.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: the scheduler -> runner contract (read-only there)."""
+
+    request_id: str
+    token_ids: list[int]  # inputs: not-yet-computed tokens, then draft tokens
+    start_pos: int  # position of token_ids[0] (= num_computed_tokens)
+    block_table: tuple[int, ...]  # covers start_pos + len(token_ids) positions
+    num_draft_tokens: int  # drafts at the tail of token_ids, to verify this step
+    sample: bool  # the step reaches the end of the request: sample 1 + num_draft_tokens rows
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    requests: list[ScheduledRequest]
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step did to one request."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, "duplicate request id"
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests (abort, stop string, error) and free their blocks now."""
+        finished = []
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self.kv.free(rid)
+            finished.append(request)
+        return finished
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # `request` itself was preempted; everything after it too
+            scheduled.append(self._schedule_one(request, num_new))
+            budget -= num_new
+            i += 1
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request.request_id,
+                                          request.num_computed_tokens + num_new):
+                break  # wait for blocks to be freed
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._schedule_one(request, num_new))
+            budget -= num_new
+        return SchedulerOutput(scheduled, preempted)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+        while not self.kv.allocate_slots(request.request_id,
+                                         request.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        num_drafts = max(end - request.num_tokens, 0)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, end),
+            start_pos=start,
+            block_table=tuple(self.kv.block_table(request.request_id)),
+            num_draft_tokens=num_drafts,
+            sample=end == request.num_tokens_with_spec,
+            sampling_params=request.sampling_params,
+            generator=request.generator,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: list[list[int]],
+        logprobs: list[list[float]] | None,
+    ) -> list[RequestUpdate]:
+        """Advance progress, append verified tokens, finish requests that hit a stop condition.
+
+        ``sampled[i]`` holds the tokens accepted for ``output.requests[i]``: empty for a
+        non-final prefill chunk, else the accepted drafts followed by one sampled token.
+        """
+        updates: list[RequestUpdate] = []
+        for i, sched in enumerate(output.requests):
+            request = self.requests.get(sched.request_id)
+            if request is None:  # finished while the step ran
+                continue
+            tokens = sampled[i]
+            num_rejected = sched.num_draft_tokens - max(len(tokens) - 1, 0) if tokens else 0
+            # Rejected drafts' K/V is discarded: progress rolls back past them.
+            request.num_computed_tokens = sched.start_pos + sched.num_tokens - num_rejected
+            request.spec_token_ids = []
+            new_tokens: list[int] = []
+            status = None
+            for j, token in enumerate(tokens):
+                request.append_output(token, logprobs[i][j] if logprobs else None)
+                new_tokens.append(token)
+                status = request.check_stop(self.max_model_len)
+                if status is not None:
+                    break
+            assert request.num_computed_tokens <= request.num_tokens
+            self.kv.truncate(request.request_id, request.num_computed_tokens)
+            if status is not None:
+                self.finish_requests([request.request_id], status)
+            updates.append(RequestUpdate(request, new_tokens, status is not None))
+        return updates

@@ -1,0 +1,229 @@
+"""Plain-torch reference for attention over a paged KV cache.
+
+One call serves a whole step: every sequence brings its own number of new query tokens
+(a prefill chunk, one decode token, or k+1 verification tokens) and attends, causally within
+those new tokens, to everything cached before them plus themselves.
+
+Cache layout (one tensor per layer): ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]``
+where index 0 is K and 1 is V. A token at position ``p`` of a sequence lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+The torch path is also the CPU runtime, so the per-step work (which tokens attend to which
+slots, the masks) is planned once per step in :func:`plan_attention` and reused by every
+layer; each layer then does one gather of K/V and one ``scaled_dot_product_attention`` per
+group of sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Sequences with at most this many new tokens are padded into one batched group;
+# longer ones (prefill chunks) are attended one by one.
+SMALL_QUERY_MAX = 16
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended together by one SDPA call."""
+
+    token_rows: torch.Tensor | None  # [b, max_q] int64 rows of the step's tokens; None = contiguous
+    first_row: int  # when contiguous: the group's tokens are rows [first_row, first_row + b*max_q)
+    valid_rows: torch.Tensor | None  # [n_valid] positions in the flattened [b*max_q] that are real
+    kv_slots: torch.Tensor  # [b, max_ctx] int64 cache slots (padded with 0)
+    mask: torch.Tensor | None  # [b, 1, max_q, max_ctx] bool, True = attend; None = no mask needed
+    is_causal: bool  # fresh prefill of one sequence: SDPA's own causal mask is exact
+    batch: int
+    max_q: int
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs for one step; built once by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
+    query_start_loc: tuple[int, ...]  # [num_seqs + 1] offsets of each sequence's new tokens
+    seq_lens: tuple[int, ...]  # [num_seqs] context length including the new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    block_size: int
+    groups: tuple[AttentionGroup, ...]  # the torch path's plan
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+
+def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions ``[start, end)`` of one sequence."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def _context_slots(block_table: torch.Tensor, ctx: int, block_size: int) -> torch.Tensor:
+    """Slots of positions ``[0, ctx)`` given a ``[max_blocks]`` block table."""
+    n_blocks = -(-ctx // block_size)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    slots = block_table[:n_blocks].to(torch.int64)[:, None] * block_size + offsets  # [n, bs]
+    return slots.reshape(-1)[:ctx]
+
+
+def _plan_single(seq: int, meta_args: tuple, block_tables: torch.Tensor) -> AttentionGroup:
+    query_start_loc, seq_lens, block_size = meta_args
+    start, end = query_start_loc[seq], query_start_loc[seq + 1]
+    q_len, ctx = end - start, seq_lens[seq]
+    slots = _context_slots(block_tables[seq], ctx, block_size)[None]  # [1, ctx]
+    fresh = ctx == q_len
+    mask = None
+    if not fresh and q_len > 1:
+        q_pos = torch.arange(ctx - q_len, ctx)[:, None]  # [q, 1]
+        mask = (torch.arange(ctx)[None, :] <= q_pos)[None, None]  # [1, 1, q, ctx]
+    return AttentionGroup(None, start, None, slots, mask, fresh and q_len > 1, 1, q_len)
+
+
+def _plan_padded(seqs: list[int], meta_args: tuple, block_tables: torch.Tensor) -> AttentionGroup:
+    query_start_loc, seq_lens, block_size = meta_args
+    starts = [query_start_loc[s] for s in seqs]
+    q_lens = [query_start_loc[s + 1] - query_start_loc[s] for s in seqs]
+    ctxs = [seq_lens[s] for s in seqs]
+    b, max_q, max_ctx = len(seqs), max(q_lens), max(ctxs)
+    kv_slots = torch.zeros(b, max_ctx, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        kv_slots[i, : ctxs[i]] = _context_slots(block_tables[s], ctxs[i], block_size)
+    q_off = torch.arange(max_q)
+    rows = torch.tensor(starts)[:, None] + q_off  # [b, max_q]
+    q_len_t = torch.tensor(q_lens)[:, None]
+    real = q_off[None, :] < q_len_t  # [b, max_q]
+    contiguous = all(q == max_q for q in q_lens) and starts == [
+        starts[0] + i * max_q for i in range(b)
+    ]
+    uniform_ctx = all(c == max_ctx for c in ctxs)
+    mask = None
+    if not (max_q == 1 and uniform_ctx):
+        # query i of sequence r sits at position ctx_r - q_len_r + i and sees keys <= it.
+        q_pos = torch.tensor(ctxs)[:, None] - q_len_t + q_off  # [b, max_q]
+        mask = torch.arange(max_ctx)[None, None, :] <= q_pos[:, :, None]  # [b, max_q, ctx]
+        mask = (mask | ~real[:, :, None])[:, None]  # padded queries attend (and are dropped)
+    if contiguous:
+        return AttentionGroup(None, starts[0], None, kv_slots, mask, False, b, max_q)
+    valid = real.reshape(-1).nonzero().squeeze(1)
+    return AttentionGroup(rows.clamp(max=query_start_loc[-1] - 1), 0, valid, kv_slots, mask,
+                          False, b, max_q)
+
+
+def plan_attention(
+    query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int
+) -> tuple[AttentionGroup, ...]:
+    """Group the step's sequences: short queries padded together, long ones alone."""
+    args = (query_start_loc, seq_lens, block_size)
+    num_seqs = len(seq_lens)
+    small = [s for s in range(num_seqs)
+             if query_start_loc[s + 1] - query_start_loc[s] <= SMALL_QUERY_MAX]
+    groups = [_plan_single(s, args, block_tables) for s in range(num_seqs) if s not in small]
+    if len(small) == 1:
+        groups.append(_plan_single(small[0], args, block_tables))
+    elif small:
+        groups.append(_plan_padded(small, args, block_tables))
+    return tuple(groups)
+
+
+def build_metadata(
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_table_lists: list[list[int]],
+    block_size: int,
+) -> AttentionMetadata:
+    """Metadata for one step from per-sequence block tables (read, never edited, here)."""
+    max_blocks = max(len(t) for t in block_table_lists)
+    block_tables = torch.zeros(len(block_table_lists), max_blocks, dtype=torch.int32)
+    for i, table in enumerate(block_table_lists):
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    slot_list: list[int] = []
+    for i, table in enumerate(block_table_lists):
+        q_len = query_start_loc[i + 1] - query_start_loc[i]
+        slot_list += slots_for(table, seq_lens[i] - q_len, seq_lens[i], block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_list, dtype=torch.int64),
+        query_start_loc=tuple(query_start_loc),
+        seq_lens=tuple(seq_lens),
+        block_tables=block_tables,
+        block_size=block_size,
+        groups=plan_attention(query_start_loc, seq_lens, block_tables, block_size),
+    )
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]
+) -> None:
+    """Scatter the new tokens' K/V into their cache slots."""
+    flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, kv_heads, head_dim]
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+def _attend_group(
+    query: torch.Tensor, kv_flat: torch.Tensor, group: AttentionGroup, scale: float
+) -> torch.Tensor:
+    heads, dim = query.shape[1], query.shape[2]
+    if group.token_rows is None:
+        n = group.batch * group.max_q
+        q = query[group.first_row : group.first_row + n]
+    else:
+        q = query[group.token_rows.reshape(-1)]
+    q = q.view(group.batch, group.max_q, heads, dim).transpose(1, 2)  # [b, H, q, D]
+    k = kv_flat[0][group.kv_slots].transpose(1, 2)  # [b, KVH, ctx, D]
+    v = kv_flat[1][group.kv_slots].transpose(1, 2)  # [b, KVH, ctx, D]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=group.mask, is_causal=group.is_causal, scale=scale,
+        enable_gqa=heads != k.shape[1],
+    )  # [b, H, q, D]
+    return out.transpose(1, 2).reshape(group.batch * group.max_q, heads, dim)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of each sequence's new tokens over its cached context (reference path)."""
+    kv_flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, kv_heads, head_dim]
+    if len(meta.groups) == 1 and meta.groups[0].token_rows is None:
+        return _attend_group(query, kv_flat, meta.groups[0], scale)
+    out = torch.empty_like(query)
+    for group in meta.groups:
+        result = _attend_group(query, kv_flat, group, scale)
+        if group.token_rows is None:
+            out[group.first_row : group.first_row + result.shape[0]] = result
+        else:
+            assert group.valid_rows is not None
+            rows = group.token_rows.reshape(-1)[group.valid_rows]
+            out.index_copy_(0, rows, result[group.valid_rows])
+    return out
+
+
+def naive_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Slow, obviously-correct version (per sequence, per token) used by tests."""
+    out = torch.empty_like(query)
+    kv_flat = kv_cache.view(2, -1, *kv_cache.shape[3:]).float()
+    heads, kv_heads = query.shape[1], kv_cache.shape[3]
+    for s in range(len(meta.seq_lens)):
+        start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
+        ctx = meta.seq_lens[s]
+        slots = _context_slots(meta.block_tables[s], ctx, meta.block_size)
+        k = kv_flat[0][slots].repeat_interleave(heads // kv_heads, dim=1)  # [ctx, H, D]
+        v = kv_flat[1][slots].repeat_interleave(heads // kv_heads, dim=1)
+        for t in range(start, end):
+            visible = ctx - (end - t) + 1
+            scores = torch.einsum("hd,khd->hk", query[t].float(), k[:visible]) * scale
+            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[:visible]).to(out.dtype)
+    return out

@@ -1,0 +1,169 @@
+"""``quickdraft`` command line: ``chat`` (streaming terminal chat) and ``generate PROMPT``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from engine.async_engine import AsyncLLM
+from engine.config import DTYPES, ConfigError, EngineConfig
+from engine.loader import ModelLoadError
+from engine.sampling_params import InvalidParameterError, SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")
+    g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        seed=args.seed)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=0.9)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed-request", dest="request_seed", type=int, default=None,
+                   help="per-request sampling seed (reproducible output)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.request_seed, stop=tuple(args.stop))
+
+
+async def stream_answer(llm: AsyncLLM, prompt_ids: list[int], params: SamplingParams) -> str:
+    """Print the answer as it streams; return its text. Cancelled by Ctrl-C (aborts it)."""
+    pieces: list[str] = []
+    start = time.perf_counter()
+    n_tokens, first = 0, None
+    async for delta in llm.generate(prompt_token_ids=prompt_ids, sampling_params=params):
+        if delta.token_ids and first is None:
+            first = time.perf_counter()
+        n_tokens += len(delta.token_ids)
+        pieces.append(delta.text)
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        if delta.finished and delta.error:
+            sys.stdout.write(f"\n[error: {delta.error}]")
+    elapsed = time.perf_counter() - (first or start)
+    ttft = (first - start) if first else 0.0
+    rate = (n_tokens - 1) / elapsed if n_tokens > 1 and elapsed > 0 else 0.0
+    sys.stderr.write(f"\n\x1b[2m[{n_tokens} tokens, TTFT {ttft * 1000:.0f} ms, "
+                     f"{rate:.1f} tok/s]\x1b[0m\n")
+    return "".join(pieces)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    llm = AsyncLLM.from_config(engine_config(args))
+    params = sampling_params(args)
+    system = args.system
+    history: list[dict[str, str]] = []
+    print("quickdraft chat — /reset clears the conversation, /system TEXT sets the system "
+          "prompt, /exit quits. Ctrl-C stops an answer.", file=sys.stderr)
+    while True:
+        try:
+            line = input("\n> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            history = []
+            continue
+        if text.startswith("/system"):
+            system = text.removeprefix("/system").strip() or None
+            history = []
+            continue
+        history.append({"role": "user", "content": text})
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        prompt_ids = llm.engine.apply_chat_template(messages)
+        try:
+            answer = asyncio.run(stream_answer(llm, prompt_ids, params))
+        except KeyboardInterrupt:
+            print("\n[stopped]", file=sys.stderr)
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": answer})
+    llm.shutdown()
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    llm = AsyncLLM.from_config(engine_config(args), progress=not args.quiet)
+    if args.raw:
+        prompt_ids = llm.engine.tokenizer.encode(args.prompt, add_special_tokens=False)
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt_ids = llm.engine.apply_chat_template(
+            [*messages, {"role": "user", "content": args.prompt}])
+    try:
+        asyncio.run(stream_answer(llm, prompt_ids, sampling_params(args)))
+    except KeyboardInterrupt:
+        print("\n[stopped]", file=sys.stderr)
+    llm.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quickdraft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    chat = sub.add_parser("chat", help="streaming multi-turn chat in the terminal")
+    add_engine_args(chat)
+    add_sampling_args(chat, max_tokens=512)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=run_chat)
+    gen = sub.add_parser("generate", help="answer one prompt, streaming")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    gen.add_argument("--system", default=None)
+    gen.add_argument("--quiet", action="store_true", help="no progress output")
+    add_engine_args(gen)
+    add_sampling_args(gen, max_tokens=256)
+    gen.set_defaults(func=run_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ModelLoadError, ConfigError, InvalidParameterError) as exc:
+        print(f"quickdraft: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
