@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from engine.sampling_params import SamplingParams
 
@@ -58,43 +57,26 @@ class SamplerOutput:
 # ---------------------------------------------------------------------------------------
 
 
-def _row_values(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    """A per-row float32 column ``[rows, 1]`` on ``like``'s device."""
-    return torch.tensor(values, dtype=torch.float32, device=like.device).unsqueeze(1)
-
-
-def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """How often each token id occurs in each row's list: ``[rows, vocab]`` float32.
-
-    The lists are padded with the out-of-range id ``vocab``, scattered into a
-    ``[rows, vocab + 1]`` buffer, and the padding column is dropped.
-    """
-    rows = [torch.as_tensor(ids, dtype=torch.long) for ids in id_lists]
-    padded = pad_sequence(rows, batch_first=True, padding_value=vocab).to(device)  # [R, L]
-    counts = torch.zeros(len(rows), vocab + 1, dtype=torch.float32, device=device)  # [R, V+1]
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab]  # [R, V]
-
-
-def _penalise_rows(
-    logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
-    outputs: list[list[int]],
+def _flat_positions(
+    id_lists: list[list[int]], rows: list[int], vocab: int, device: torch.device,
 ) -> torch.Tensor:
-    """Penalties for rows that all use at least one; ``logits`` is ``[R, V]`` float32."""
-    vocab, device = logits.shape[-1], logits.device
-    out_counts = _token_counts(outputs, vocab, device)  # [R, V]
-    if any(p.repetition_penalty != 1.0 for p in params):
-        used = [ids if p.repetition_penalty != 1.0 else [] for p, ids in
-                zip(params, prompts, strict=True)]
-        seen = (_token_counts(used, vocab, device) > 0) | (out_counts > 0)  # [R, V] bool
-        rep = _row_values([p.repetition_penalty for p in params], logits)  # [R, 1]
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)  # [R, V]
-        logits = torch.where(seen, penalised, logits)
-    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
-        presence = _row_values([p.presence_penalty for p in params], logits)  # [R, 1]
-        frequency = _row_values([p.frequency_penalty for p in params], logits)  # [R, 1]
-        logits = logits - frequency * out_counts - presence * (out_counts > 0)
-    return logits
+    """``row * vocab + id`` for every id of ``id_lists[j]`` (row ``rows[j]``): ``[N]`` int64.
+
+    Indexes the flattened ``[B * V]`` logits, so gather / scatter touch only these
+    positions. Ids outside ``[0, vocab)`` are refused (they would land in another row).
+    """
+    ids = torch.cat([torch.as_tensor(x, dtype=torch.long) for x in id_lists])  # [N]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"token id outside the vocabulary [0, {vocab})")
+    lengths = torch.tensor([len(x) for x in id_lists], dtype=torch.long)  # [R]
+    row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)  # [N]
+    return (row_of * vocab + ids).to(device)
+
+
+def _penalty_column(values: list[float], positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Per-row values ``[B]`` spread to flat ``positions`` ``[N]``: ``[N]`` float32."""
+    table = torch.tensor(values, dtype=torch.float32, device=positions.device)  # [B]
+    return table[positions // vocab]  # [N]
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -105,23 +87,33 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     * presence / frequency (OpenAI): ``logit -= presence * (count > 0) + frequency * count``
       with ``count`` taken over output tokens only.
 
-    Only rows that use a penalty are touched; the input is never modified in place (the
-    same tensor is returned when no row uses a penalty).
+    Work is proportional to the number of prompt / output ids, not to the vocabulary (one
+    gather and one scatter of the seen positions, plus a copy of the logits). Duplicate ids
+    compute and write identical values. The input is never modified in place (it is
+    returned as is when no row uses a penalty).
     """
-    rows = [i for i, p in enumerate(batch.params) if p.uses_penalties]
+    params, vocab = batch.params, logits.shape[-1]
+    rows = [i for i, p in enumerate(params) if p.uses_penalties]
     if not rows:
         return logits
-    whole = len(rows) == logits.shape[0]
-    penalised = _penalise_rows(
-        logits if whole else logits[rows],
-        [batch.params[i] for i in rows],
-        [batch.prompt_token_ids[i] for i in rows],
-        [batch.output_token_ids[i] for i in rows],
-    )  # [R, V]
-    if whole:
-        return penalised
-    out = logits.clone()  # [B, V]
-    out[rows] = penalised
+    outputs = _flat_positions([batch.output_token_ids[i] for i in rows], rows, vocab,
+                              logits.device)  # [No]
+    prompts = [batch.prompt_token_ids[i] if params[i].repetition_penalty != 1.0 else []
+               for i in rows]
+    seen = torch.cat([_flat_positions(prompts, rows, vocab, logits.device), outputs])  # [N]
+    if seen.numel() == 0:
+        return logits
+    counts = torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)  # [B*V]
+    counts.index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.float32))
+    count = counts[seen]  # [N] occurrences in the output
+    rep = _penalty_column([p.repetition_penalty for p in params], seen, vocab)  # [N]
+    presence = _penalty_column([p.presence_penalty for p in params], seen, vocab)  # [N]
+    frequency = _penalty_column([p.frequency_penalty for p in params], seen, vocab)  # [N]
+    out = logits.clone(memory_format=torch.contiguous_format)  # [B, V]
+    flat = out.view(-1)  # [B*V]
+    values = flat[seen]  # [N]
+    values = torch.where(values > 0, values / rep, values * rep)
+    flat[seen] = values - frequency * count - presence * (count > 0)
     return out
 
 
@@ -269,7 +261,7 @@ def sample_from_probs(
         noise = torch.empty(len(unseeded), probs.shape[1], device=probs.device)  # [U, V]
         u[unseeded] = noise.uniform_(generator=default_generator)
     for i in seeded:
-        u[i].uniform_(generator=default_generator)
+        u[i].uniform_(generator=generators[i])
     q = u.log_().neg_()  # [B, V] Exp(1) by inversion; u == 0 gives q = inf, never nan
     return (probs / q).argmax(dim=-1)  # [B]
 

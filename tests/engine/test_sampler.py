@@ -172,6 +172,19 @@ def test_penalties_match_reference_on_mixed_batch() -> None:
     assert torch.equal(got[0], logits[0])
 
 
+def test_penalties_on_non_contiguous_logits_and_bad_ids() -> None:
+    base = torch.randn(10, 3, generator=seeded(2))
+    logits = base.t()  # [3, 10], non-contiguous
+    params = [SamplingParams(frequency_penalty=0.5)] * 3
+    outputs = [[1, 1], [], [9]]
+    got = apply_penalties(logits, make_batch(params, outputs=outputs))
+    expected = [reference_penalties(logits[i].tolist(), params[i], [], outputs[i])
+                for i in range(3)]
+    torch.testing.assert_close(got, torch.tensor(expected))
+    with pytest.raises(ValueError):
+        apply_penalties(logits, make_batch(params, outputs=[[10], [], []]))
+
+
 def test_greedy_rows_in_mixed_batch_use_penalised_argmax() -> None:
     logits = torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.0, 5.0, 0.0], [1.0, 2.0, 0.0, 0.0]])
     params = [
