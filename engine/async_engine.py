@@ -9,6 +9,7 @@ into one ``asyncio.Queue`` per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -80,10 +81,9 @@ class AsyncLLM:
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def sink(item: RequestOutput | BaseException) -> None:
-            try:
+            # RuntimeError: the caller's event loop has closed, nobody is listening.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:  # the caller's event loop has closed: nobody is listening
-                pass
 
         self._commands.put(_Add(rid, prompt, prompt_token_ids,
                                 sampling_params or SamplingParams(), priority, sink))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
-        self.info = ModelInfo(str(model_dir), hf_config.architectures[0], self.max_model_len,
+        architecture = (hf_config.architectures or [hf_config.model_type])[0]
+        self.info = ModelInfo(str(model_dir), architecture, self.max_model_len,
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
 
@@ -190,14 +192,14 @@ class LLMEngine:
             prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens,
             num_preemptions=request.num_preemptions,
-            queue_time=(scheduled - request.arrival_time) if scheduled else now - request.arrival_time,
+            queue_time=(scheduled or now) - request.arrival_time,
             ttft=(first - request.arrival_time) if first else None,
             decode_time=(now - first) if first else 0.0,
         )
 
     # ------------------------------------------------------------------ convenience
 
-    def generate(self, prompts: list[str] | list[list[int]],
+    def generate(self, prompts: Sequence[str | list[int]],
                  params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts to completion; one merged output per prompt (for scripts and tests)."""
         ids = [f"gen-{i}" for i in range(len(prompts))]
@@ -206,7 +208,7 @@ class LLMEngine:
                 self.add_request(rid, prompt, params)
             else:
                 self.add_request(rid, sampling_params=params, prompt_token_ids=prompt)
-        merged = {rid: ([], []) for rid in ids}
+        merged: dict[str, tuple[list[str], list[int]]] = {rid: ([], []) for rid in ids}
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():

@@ -72,7 +72,7 @@ class Request:
         return self.num_tokens + len(self.spec_token_ids)
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """Token ids ``[start, end)`` of prompt + output + drafts, without building the whole list."""
+        """Token ids ``[start, end)`` of prompt + output + drafts (no full-list copy)."""
         n_prompt = len(self.prompt_token_ids)
         out: list[int] = []
         if start < n_prompt:

@@ -18,7 +18,7 @@ from engine.sampling_params import InvalidParameterError, SamplingParams
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+                   help="HF model dir or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV cache")

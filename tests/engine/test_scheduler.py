@@ -28,7 +28,7 @@ def run_step(s: Scheduler, token: int = 7):
 
 
 def test_chunked_prefill_under_token_budget():
-    s, kv = sched(budget=10)
+    s, _ = sched(budget=10)
     s.add_request(make("a", 25))
     chunks = []
     for _ in range(3):
@@ -60,7 +60,7 @@ def test_max_num_seqs_limits_running():
 def test_blocks_freed_on_finish_in_reverse_order():
     s, kv = sched(num_blocks=8, block_size=2)
     s.add_request(make("a", 5, max_tokens=1))
-    out, updates = run_step(s)
+    _, updates = run_step(s)
     assert updates[0].finished and updates[0].request.status == RequestStatus.FINISHED_LENGTH
     assert kv.num_free_blocks == 8
     # freed tail-first: the last block of the table is the first to be reused

@@ -1,0 +1,187 @@
+"""Small helpers shared by the benchmark scripts (timing, machine info, results output).
+
+Import from a script in this folder as ``from common import ...`` (the scripts are run as
+``python benchmarks/<name>.py``, which puts ``benchmarks/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# ---------------------------------------------------------------------- timing
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def time_call(fn: Callable[[], Any]) -> float:
+    """Seconds one call of ``fn`` takes (``time.perf_counter``)."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    return median([time_call(fn) for _ in range(repeats)])
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """Median, min, max and the raw values of a list of measurements."""
+    return {"median": median(values), "min": min(values), "max": max(values),
+            "values": list(values)}
+
+
+# ---------------------------------------------------------------------- machine
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def total_memory_gb() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """What a result depends on: CPU, cores, memory, library versions, date."""
+    try:
+        import transformers
+
+        tf_version: str | None = transformers.__version__
+    except ImportError:
+        tf_version = None
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = os.cpu_count()
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": affinity,
+        "torch_threads": torch.get_num_threads(),
+        "memory_gb": total_memory_gb(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def machine_summary(info: dict[str, Any]) -> str:
+    """One line for docs: ``AMD EPYC, 2 cores, 23 GB, torch 2.13.0+cpu``."""
+    parts = [info["cpu_model"], f"{info['usable_cores']} cores"]
+    if info.get("memory_gb"):
+        parts.append(f"{info['memory_gb']:g} GB RAM")
+    if info.get("cuda"):
+        parts.append(info["cuda"])
+    parts.append(f"torch {info['torch']}")
+    if info.get("transformers"):
+        parts.append(f"transformers {info['transformers']}")
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------- memory bandwidth
+
+
+def measure_memory_bandwidth(size_mb: int = 512, repeats: int = 7) -> dict[str, Any]:
+    """Main-memory bandwidth in GB/s (1e9 bytes/s) from a ``size_mb`` float32 buffer.
+
+    ``sum`` counts the bytes read; ``copy`` counts read + written bytes. ``best`` is the higher
+    of the two (``best_method`` says which), a proxy for how fast weights can be streamed.
+    """
+    n = size_mb * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
+    t_sum = median_time(lambda: src.sum(), repeats=repeats)
+    t_copy = median_time(lambda: dst.copy_(src), repeats=repeats)
+    sum_gbs = nbytes / t_sum / 1e9
+    copy_gbs = 2 * nbytes / t_copy / 1e9
+    best_method = "sum" if sum_gbs >= copy_gbs else "copy"
+    del src, dst
+    return {"buffer_mb": size_mb, "threads": torch.get_num_threads(),
+            "sum_read_gbs": sum_gbs, "copy_read_write_gbs": copy_gbs,
+            "best_gbs": max(sum_gbs, copy_gbs), "best_method": best_method}
+
+
+# ---------------------------------------------------------------------- output
+
+
+def write_json(data: Any, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 120) -> Path:
+    """Save a matplotlib figure (and close it)."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def new_figure(width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
+    """A headless (Agg) matplotlib figure and axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height))
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; floats are written with :func:`fmt`."""
+    def cell(v: Any) -> str:
+        return fmt(v) if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |",
+             "|" + "|".join("---:" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    """A number with about ``digits`` significant digits (``-`` for None)."""
+    if value is None:
+        return "-"
+    if value == 0 or abs(value) >= 10 ** (digits - 1):
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}"
