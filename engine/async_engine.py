@@ -87,6 +87,8 @@ class AsyncLLM:
 
         self._commands.put(_Add(rid, prompt, prompt_token_ids,
                                 sampling_params or SamplingParams(), priority, sink))
+        if self._stopped.is_set():  # stopped meanwhile: its final drain may have missed this add
+            raise EngineDeadError(f"engine is not running: {self._error}")
         finished = False
         try:
             while True:
@@ -132,6 +134,21 @@ class AsyncLLM:
             self._sinks.clear()
         finally:
             self._stopped.set()
+            self._fail_waiters(EngineDeadError("engine shut down"))
+
+    def _fail_waiters(self, error: EngineDeadError) -> None:
+        """After the loop ends, no caller may keep waiting: in-flight and queued requests."""
+        sinks = list(self._sinks.values())
+        self._sinks.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                sinks.append(command.sink)
+        for sink in sinks:
+            sink(error)
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands; wait for one when idle. False means shut down."""

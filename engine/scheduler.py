@@ -108,6 +108,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self._trim_drafts(request, budget)
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # `request` itself was preempted; everything after it too
@@ -127,6 +128,18 @@ class Scheduler:
             scheduled.append(self._schedule_one(request, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, preempted)
+
+    def _trim_drafts(self, request: Request, budget: int) -> None:
+        """Drop drafts that cannot be verified usefully this step: past the token budget, the
+        context limit, or the tokens the request may still emit (one comes from the target)."""
+        if not request.spec_token_ids:
+            return
+        room = min(
+            budget - (request.num_tokens - request.num_computed_tokens),
+            self.max_model_len - request.num_tokens - 1,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+        )
+        del request.spec_token_ids[max(room, 0):]
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
         while not self.kv.allocate_slots(request.request_id,

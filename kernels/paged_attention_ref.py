@@ -175,8 +175,8 @@ def _attend_group(
     else:
         q = query[group.token_rows.reshape(-1)]
     q = q.view(group.batch, group.max_q, heads, dim).transpose(1, 2)  # [b, H, q, D]
-    k = kv_flat[0][group.kv_slots].transpose(1, 2)  # [b, KVH, ctx, D]
-    v = kv_flat[1][group.kv_slots].transpose(1, 2)  # [b, KVH, ctx, D]
+    kv = kv_flat[:, group.kv_slots]  # [2, b, ctx, KVH, D]: K and V in one gather
+    k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [b, KVH, ctx, D]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=group.mask, is_causal=group.is_causal, scale=scale,
         enable_gqa=heads != k.shape[1],

@@ -100,9 +100,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q + 2 kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.heads, self.head_dim), *cos_sin)
-        k = apply_rotary(k.view(-1, self.kv_heads, self.head_dim), *cos_sin)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k are adjacent columns: rotate both heads sets in one pass
+        qk = apply_rotary(qk.view(-1, self.heads + self.kv_heads, self.head_dim), *cos_sin)
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         self.backend.write_kv(k, v.view(-1, self.kv_heads, self.head_dim), kv_cache,
                               meta.slot_mapping)
         out = self.backend.paged_attention(q, kv_cache, meta, self.scale)  # [T, H, D]
