@@ -129,7 +129,6 @@ def measure_memory_bandwidth(size_mb: int = 512, repeats: int = 7) -> dict[str, 
     sum_gbs = nbytes / t_sum / 1e9
     copy_gbs = 2 * nbytes / t_copy / 1e9
     best_method = "sum" if sum_gbs >= copy_gbs else "copy"
-    del src, dst
     return {"buffer_mb": size_mb, "threads": torch.get_num_threads(),
             "sum_read_gbs": sum_gbs, "copy_read_write_gbs": copy_gbs,
             "best_gbs": max(sum_gbs, copy_gbs), "best_method": best_method}

@@ -32,6 +32,11 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     attention_backend: str = "auto"  # auto | torch | triton
+    speculation: str = "ngram"  # off | ngram (draft / combined: with the draft-model proposer)
+    num_speculative_tokens: int = 4  # most drafts verified per request per step
+    ngram_min: int = 2
+    ngram_max: int = 4
+    measure_step_cost: bool = True  # time forward passes at start-up for the spec policy
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -50,6 +55,12 @@ class EngineConfig:
             raise ConfigError("max_model_len must be >= 2")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError("attention_backend must be auto, torch or triton")
+        if self.speculation not in ("off", "ngram"):
+            raise ConfigError(f"speculation must be off or ngram, got {self.speculation!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ConfigError("need 1 <= ngram_min <= ngram_max <= 16")
 
     @property
     def torch_dtype(self) -> torch.dtype:

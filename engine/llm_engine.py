@@ -21,7 +21,10 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, Usage
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidParameterError, SamplingParams
-from engine.scheduler import RequestUpdate, Scheduler
+from engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from spec.params import SpeculationParams
+from spec.policy import SpeculationPolicy, StepCost, measure_step_cost
+from spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -57,6 +60,19 @@ class LLMEngine:
         self.info = ModelInfo(str(model_dir), architecture, self.max_model_len,
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.speculator = Speculator(
+            config.speculation, config.num_speculative_tokens, config.ngram_min,
+            config.ngram_max, SpeculationPolicy(self._step_cost(), config.num_speculative_tokens))
+
+    def _step_cost(self) -> StepCost:
+        """How a step's time grows with its number of tokens, measured on this machine."""
+        if not self.config.measure_step_cost or self.config.speculation == "off":
+            return StepCost.memory_bound()
+        limit = self.config.max_num_batched_tokens
+        sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= limit]
+        cost = measure_step_cost(self.runner.time_forward, sizes)
+        log.info("step cost by tokens: %s", dict(zip(cost.num_tokens, cost.seconds, strict=True)))
+        return cost
 
     def _max_model_len(self, hf_config: Any) -> int:
         limit = hf_config.max_position_embeddings
@@ -82,6 +98,7 @@ class LLMEngine:
         *,
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
+        speculation: SpeculationParams | None = None,
     ) -> None:
         """Queue a request; raises :class:`InvalidRequestError` naming the bad field."""
         params = sampling_params or SamplingParams()
@@ -93,7 +110,8 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         ids = list(prompt_token_ids)
         self._validate_prompt(ids)
-        request = Request(request_id, ids, params, self.eos_token_ids, priority=priority)
+        request = Request(request_id, ids, params, self.eos_token_ids, priority=priority,
+                          spec_params=speculation)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
         self.scheduler.add_request(request)
 
@@ -140,8 +158,18 @@ class LLMEngine:
             failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             return [self._final_output(r, "", [], error=f"{type(exc).__name__}: {exc}")
                     for r in failed]
+        self._record_speculation(sched, result.sampled)
         updates = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
-        return [out for u in updates if (out := self._process(u)) is not None]
+        outputs = [out for u in updates if (out := self._process(u)) is not None]
+        running = self.scheduler.running
+        self.speculator.propose(running, num_plain_tokens=len(running))
+        return outputs
+
+    def _record_speculation(self, sched: SchedulerOutput, sampled: list[list[int]]) -> None:
+        for s, tokens in zip(sched.requests, sampled, strict=True):
+            if s.num_draft_tokens and tokens:
+                request = self.scheduler.requests[s.request_id]
+                self.speculator.record(request, s.num_draft_tokens, len(tokens) - 1)
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """Nothing could run although requests wait: the head request can never fit."""
@@ -173,6 +201,7 @@ class LLMEngine:
 
     def _final_output(self, request: Request, text: str, new_tokens: list[int],
                       error: str | None = None) -> RequestOutput:
+        self.speculator.forget(request.request_id)
         detok = self._detokenizers.pop(request.request_id, None)
         if detok is not None and request.status != RequestStatus.FINISHED_STOPPED:
             text += detok.finish()
@@ -195,6 +224,9 @@ class LLMEngine:
             queue_time=(scheduled or now) - request.arrival_time,
             ttft=(first - request.arrival_time) if first else None,
             decode_time=(now - first) if first else 0.0,
+            num_spec_steps=request.num_spec_steps,
+            num_drafted_tokens=request.num_drafted_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     # ------------------------------------------------------------------ convenience

@@ -19,8 +19,9 @@ from engine.config import EngineConfig
 from engine.kv_cache import kv_bytes_per_block
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SamplingBatch, sample
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledRequest, SchedulerOutput
 from kernels import paged_attention_ref
+from spec.rejection_sampler import rejection_sample
 
 log = logging.getLogger(__name__)
 
@@ -116,12 +117,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         inputs, meta = self.prepare(sched)
         sampled: list[list[int]] = [[] for _ in sched.requests]
-        if not inputs.sample_requests:
-            self.forward_logits(inputs, meta)
-            return RunnerOutput(sampled, None)
         logits = self.forward_logits(inputs, meta)  # [num_sample_rows, vocab]
+        if not inputs.sample_requests:
+            return RunnerOutput(sampled, None)
         reqs = [sched.requests[i] for i in inputs.sample_requests]
-        assert all(r.num_draft_tokens == 0 for r in reqs), "drafts need the spec verifier"
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
             generators=[r.generator for r in reqs],
@@ -129,13 +128,43 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in reqs],
             default_generator=self.default_generator,
         )
-        result = sample(logits, batch)
-        tokens = result.token_ids.tolist()
-        want_logprobs = result.logprobs is not None
-        logprob_rows: list[list[float]] = [[] for _ in sched.requests]
-        lp = result.logprobs.tolist() if result.logprobs is not None else []
+        tokens, logprobs = self._sample(logits, reqs, batch)
+        logprob_rows: list[list[float]] | None = None
+        if logprobs is not None:
+            logprob_rows = [[] for _ in sched.requests]
         for row, i in enumerate(inputs.sample_requests):
-            sampled[i] = [tokens[row]]
-            if want_logprobs:
-                logprob_rows[i] = [lp[row]]
-        return RunnerOutput(sampled, logprob_rows if want_logprobs else None)
+            sampled[i] = tokens[row]
+            if logprob_rows is not None and logprobs is not None:
+                logprob_rows[i] = logprobs[row]
+        return RunnerOutput(sampled, logprob_rows)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, reqs: list[ScheduledRequest], batch: SamplingBatch,
+                ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """Plain sampling, or lossless verification when any request carries drafts."""
+        if any(r.num_draft_tokens for r in reqs):
+            drafts = [r.token_ids[len(r.token_ids) - r.num_draft_tokens:] for r in reqs]
+            verified = rejection_sample(logits, drafts, None, batch)
+            return verified.token_ids, verified.logprobs
+        result = sample(logits, batch)
+        tokens = [[t] for t in result.token_ids.tolist()]
+        if result.logprobs is None:
+            return tokens, None
+        return tokens, [[lp] for lp in result.logprobs.tolist()]
+
+    @torch.inference_mode()
+    def time_forward(self, num_tokens: int, context: int = 64) -> float:
+        """Seconds for one forward pass with ``num_tokens`` new tokens after ``context`` cached
+        ones. Uses the first blocks of the pool: call only while no request holds blocks."""
+        bs = self.config.block_size
+        total = context + num_tokens
+        table = list(range(min(-(-total // bs), self.num_blocks)))
+        if len(table) * bs < total:
+            return float("nan")
+        meta = self.backend.build_metadata([0, num_tokens], [total], [table], bs)
+        ids = torch.zeros(num_tokens, dtype=torch.int64)
+        positions = torch.arange(context, total)
+        start = time.perf_counter()
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[-1:])
+        return time.perf_counter() - start

@@ -13,11 +13,21 @@ class Usage:
     queue_time: float = 0.0  # seconds from arrival to first scheduled
     ttft: float | None = None  # seconds from arrival to first token
     decode_time: float = 0.0  # seconds from first token to finish
+    num_spec_steps: int = 0  # verification steps that carried drafts
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step (accepted drafts + 1); 0 without drafts."""
+        if not self.num_spec_steps:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
+from spec.params import SpeculationParams
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +51,10 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+    spec_params: SpeculationParams | None = None
+    num_spec_steps: int = 0  # verification steps with >= 1 draft
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:

@@ -14,6 +14,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def new_engine(model_dir, **kw) -> LLMEngine:
     kw.setdefault("dtype", "float32")
+    kw.setdefault("measure_step_cost", False)
     return LLMEngine(EngineConfig(model=str(model_dir), **kw), progress=False)
 
 
