@@ -205,6 +205,9 @@ class Scheduler:
                 status = request.check_stop(self.max_model_len)
                 if status is not None:
                     break
+            if status is not None:  # a stop inside the accepted drafts: the rest is void
+                request.num_computed_tokens = min(request.num_computed_tokens,
+                                                  request.num_tokens - 1)
             assert request.num_computed_tokens <= request.num_tokens
             self.kv.truncate(request.request_id, request.num_computed_tokens)
             if status is not None:

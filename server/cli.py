@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculation", default="ngram", choices=["off", "ngram"],
+                   help="speculative decoding method (output is identical either way)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -33,7 +36,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        seed=args.seed)
+        seed=args.seed, speculation=args.speculation,
+        num_speculative_tokens=args.num_speculative_tokens)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -63,7 +67,7 @@ async def stream_answer(llm: AsyncLLM, prompt_ids: list[int], params: SamplingPa
     """Print the answer as it streams; return its text. Cancelled by Ctrl-C (aborts it)."""
     pieces: list[str] = []
     start = time.perf_counter()
-    n_tokens, first = 0, None
+    n_tokens, first, spec = 0, None, ""
     async for delta in llm.generate(prompt_token_ids=prompt_ids, sampling_params=params):
         if delta.token_ids and first is None:
             first = time.perf_counter()
@@ -73,11 +77,15 @@ async def stream_answer(llm: AsyncLLM, prompt_ids: list[int], params: SamplingPa
         sys.stdout.flush()
         if delta.finished and delta.error:
             sys.stdout.write(f"\n[error: {delta.error}]")
+        if delta.usage is not None and delta.usage.num_spec_steps:
+            u = delta.usage
+            spec = (f", speculation accepted {u.num_accepted_tokens}/{u.num_drafted_tokens}"
+                    f" drafts, {u.mean_acceptance_length:.2f} tokens/step")
     elapsed = time.perf_counter() - (first or start)
     ttft = (first - start) if first else 0.0
     rate = (n_tokens - 1) / elapsed if n_tokens > 1 and elapsed > 0 else 0.0
     sys.stderr.write(f"\n\x1b[2m[{n_tokens} tokens, TTFT {ttft * 1000:.0f} ms, "
-                     f"{rate:.1f} tok/s]\x1b[0m\n")
+                     f"{rate:.1f} tok/s{spec}]\x1b[0m\n")
     return "".join(pieces)
 
 

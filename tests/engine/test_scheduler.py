@@ -114,3 +114,16 @@ def test_pool_double_free_is_caught():
     pool.free(blocks)
     with pytest.raises(AssertionError):
         pool.free(blocks)
+
+
+def test_stop_inside_accepted_drafts_discards_the_rest():
+    s, kv = sched(num_blocks=16, block_size=2, budget=64)
+    s.add_request(make("a", 4, max_tokens=50))  # eos id is 0
+    run_step(s)
+    a = s.requests["a"]
+    a.spec_token_ids = [5, 0, 6]
+    out = s.schedule()
+    [update] = s.update_from_output(out, [[5, 0, 6, 8]], None)  # all accepted + bonus
+    assert update.finished and a.output_token_ids == [7, 5, 0]
+    assert a.num_computed_tokens <= a.num_tokens
+    assert kv.num_free_blocks == 16

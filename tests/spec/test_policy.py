@@ -1,0 +1,55 @@
+"""The adaptive speculation policy: acceptance tracking, draft allocation under a cost curve."""
+
+from __future__ import annotations
+
+import pytest
+
+from spec.policy import AcceptanceTracker, SpeculationPolicy, StepCost, measure_step_cost
+
+
+def test_step_cost_interpolates_and_extrapolates():
+    cost = StepCost((1, 3, 5), (1.0, 1.0, 3.0))
+    assert cost(1) == 1.0 and cost(2) == 1.0 and cost(4) == 2.0 and cost(7) == 5.0
+    with pytest.raises(ValueError):
+        StepCost((2, 4), (1.0, 1.0))
+
+
+def test_measure_step_cost_is_monotone_best_of_three():
+    calls = iter([5.0, 3.0, 4.0, 2.0, 2.5, 9.0])  # n=1: best 3; n=2: best 2 -> raised to 3
+    cost = measure_step_cost(lambda n: next(calls), sizes=(1, 2))
+    assert cost.seconds == (3.0, 3.0)
+
+
+def test_memory_bound_batch_takes_all_drafts_of_good_requests():
+    policy = SpeculationPolicy(StepCost.memory_bound(0.001), max_k=4)
+    assert policy.allocate([0.9, 0.8], [4, 3], num_plain_tokens=2) == [4, 3]
+
+
+def test_low_acceptance_turns_speculation_off():
+    policy = SpeculationPolicy(StepCost.memory_bound(0.05), max_k=4)
+    assert policy.allocate([0.02, 0.04], [4, 4], num_plain_tokens=2) == [0, 0]
+
+
+def test_compute_bound_batch_caps_total_drafts():
+    # Flat up to 8 tokens, then every token costs as much as a whole step.
+    cost = StepCost((1, 8, 9, 1024), (1.0, 1.0, 2.0, 1017.0))
+    policy = SpeculationPolicy(cost, max_k=4)
+    ks = policy.allocate([0.9] * 4, [4] * 4, num_plain_tokens=4)
+    assert sum(ks) == 4  # only the free slots (8 - 4 plain tokens) are used
+    assert max(ks) - min(ks) <= 1  # spread by marginal gain, first drafts first
+
+
+def test_marginal_gain_prefers_the_better_request():
+    cost = StepCost((1, 3, 4, 1024), (1.0, 1.0, 1.5, 600.0))
+    ks = SpeculationPolicy(cost, max_k=4).allocate([0.95, 0.3], [4, 4], num_plain_tokens=2)
+    assert ks[0] >= 1 and ks[0] >= ks[1]
+
+
+def test_tracker_counts_only_tested_drafts():
+    t = AcceptanceTracker(alpha=0.5, decay=0.0)
+    t.update(num_drafted=4, num_accepted=1)  # accepted 1, rejected the 2nd: 1 of 2 tested
+    assert t.alpha == pytest.approx(0.5)
+    t.update(num_drafted=4, num_accepted=4)
+    assert t.alpha == pytest.approx(1.0)
+    t.update(num_drafted=3, num_accepted=0)
+    assert t.alpha == pytest.approx(0.0)
