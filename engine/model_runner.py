@@ -20,10 +20,13 @@ from engine.kv_cache import kv_bytes_per_block
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from kernels import paged_attention_ref
+from kernels import cpu_gemv, paged_attention_ref
 from spec.rejection_sampler import rejection_sample
 
 log = logging.getLogger(__name__)
+# Up to this many rows, chunked bf16 GEMV beats an fp32 GEMM on this class of CPU
+# (measured with benchmarks/gemv_micro.py; both are compute-bound beyond it).
+GEMV_MAX_ROWS = 48
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class ModelRunner:
         self.model.load_weights(
             (name, t.to(self.dtype)) for name, t in loader.iter_safetensors(model_dir))
         self.model.eval()
+        if self.dtype == torch.bfloat16 and cpu_gemv.available():
+            self.model.enable_cpu_fast_path(cpu_gemv.linear_bf16, cpu_gemv.MAX_ROWS,
+                                            GEMV_MAX_ROWS)
         log.info("loaded weights in %.2fs", time.perf_counter() - start)
         self.num_blocks = self._num_blocks()
         shape = self.model.shape

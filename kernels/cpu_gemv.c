@@ -30,16 +30,6 @@
 #define QD_MAX_MB 8
 /* Below this many weight bytes a single thread does the whole product. */
 #define QD_SERIAL_BYTES (64 * 1024)
-/* Software prefetch distance in bytes ahead of the current weight load (0 = off). */
-#ifndef QD_PREFETCH
-#define QD_PREFETCH 1024
-#endif
-#ifndef QD_DYNAMIC
-#define QD_DYNAMIC 0
-#endif
-#ifndef QD_CHUNK_BYTES
-#define QD_CHUNK_BYTES (64 * 1024)
-#endif
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -63,84 +53,132 @@ QD_INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* acc[i][pe] += even elements, acc[i][po] += odd elements of the 16-element block at kk
- * of the weight row wr times x row i. */
-#define QD_STEP16(kk, pe, po)                                                       \
-    do {                                                                            \
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(wr + (kk)));          \
-        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));            \
-        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));        \
-        for (int i = 0; i < MB; i++) {                                              \
-            const float* xi = xp + (size_t)i * ldx + (kk);                          \
-            acc[i][pe] = _mm256_fmadd_ps(we, _mm256_load_ps(xi), acc[i][pe]);       \
-            acc[i][po] = _mm256_fmadd_ps(wo, _mm256_load_ps(xi + 8), acc[i][po]);   \
-        }                                                                           \
+/* acc[q][i][pe] += even elements, acc[q][i][po] += odd elements of the 16-element block at kk
+ * of weight row wr[q] times x row i, for the NR rows q. Each x vector is loaded once. */
+#define QD_STEP16(kk, pe, po)                                                              \
+    do {                                                                                   \
+        __m256 we[8], wo[8];                                                               \
+        for (int q = 0; q < NR; q++) {                                                     \
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(wr[q] + (kk)));          \
+            we[q] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                         \
+            wo[q] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));                     \
+        }                                                                                  \
+        for (int i = 0; i < MB; i++) {                                                     \
+            const __m256 xe = _mm256_load_ps(xp + (size_t)i * ldx + (kk));                 \
+            const __m256 xo = _mm256_load_ps(xp + (size_t)i * ldx + (kk) + 8);             \
+            for (int q = 0; q < NR; q++) {                                                 \
+                acc[q][i][pe] = _mm256_fmadd_ps(we[q], xe, acc[q][i][pe]);                 \
+                acc[q][i][po] = _mm256_fmadd_ps(wo[q], xo, acc[q][i][po]);                 \
+            }                                                                              \
+        }                                                                                  \
     } while (0)
 
-/* Output rows [r0, r1) for MB rows of x, with P (1, 2 or 4) partial sums per x row.
+/* Output rows rows[0..NR) for MB rows of x, with P (1, 2 or 4) partial sums per x row.
  * xp: [MB][ldx] fp32 scratch (16-blocks deinterleaved, tail plain); y: [MB][ldy]. */
-QD_INLINE void rows_kernel(const float* xp, size_t ldx, const uint16_t* w, const uint16_t* bias,
-                           uint16_t* y, size_t ldy, int k, int r0, int r1, const int MB,
-                           const int P) {
+QD_INLINE void block_kernel(const float* xp, size_t ldx, const uint16_t* w, const uint16_t* bias,
+                            uint16_t* y, size_t ldy, int k, const int* rows, const int MB,
+                            const int P, const int NR) {
     const int k16 = k & ~15, k32 = k & ~31;
     const __m256i hi_mask = _mm256_set1_epi32((int)0xffff0000u);
-    for (int r = r0; r < r1; r++) {
-        const uint16_t* wr = w + (size_t)r * (size_t)k;
-        __m256 acc[QD_MAX_MB][4];
+    const uint16_t* wr[8];
+    for (int q = 0; q < NR; q++) wr[q] = w + (size_t)rows[q] * (size_t)k;
+    __m256 acc[8][QD_MAX_MB][4];
+    for (int q = 0; q < NR; q++)
         for (int i = 0; i < MB; i++)
-            for (int p = 0; p < P; p++) acc[i][p] = _mm256_setzero_ps();
-        int kk = 0;
-        for (; kk < k32; kk += 32) { /* one 64-byte line of the row */
-#if QD_PREFETCH > 0
-            _mm_prefetch((const char*)(wr + kk) + QD_PREFETCH, _MM_HINT_T0);
-#endif
-            QD_STEP16(kk, 0, P == 4 ? 1 : 0);
-            QD_STEP16(kk + 16, P == 4 ? 2 : P - 1, P - 1);
-        }
-        if (kk < k16) QD_STEP16(kk, 0, 0);
-        const float b = bias ? bf16_to_f32(bias[r]) : 0.0f;
+            for (int p = 0; p < P; p++) acc[q][i][p] = _mm256_setzero_ps();
+    int kk = 0;
+    for (; kk < k32; kk += 32) { /* one 64-byte line of each row */
+        QD_STEP16(kk, 0, P == 4 ? 1 : 0);
+        QD_STEP16(kk + 16, P == 4 ? 2 : P - 1, P - 1);
+    }
+    if (kk < k16) QD_STEP16(kk, 0, 0);
+    for (int q = 0; q < NR; q++) {
+        const float b = bias ? bf16_to_f32(bias[rows[q]]) : 0.0f;
         for (int i = 0; i < MB; i++) {
             const float* xi = xp + (size_t)i * ldx;
-            __m256 a = acc[i][0];
-            for (int p = 1; p < P; p++) a = _mm256_add_ps(a, acc[i][p]);
+            __m256 a = acc[q][i][0];
+            for (int p = 1; p < P; p++) a = _mm256_add_ps(a, acc[q][i][p]);
             float s = hsum(a);
-            for (int t = k16; t < k; t++) s += bf16_to_f32(wr[t]) * xi[t];
-            y[(size_t)i * ldy + (size_t)r] = f32_to_bf16(s + b);
+            for (int t = k16; t < k; t++) s += bf16_to_f32(wr[q][t]) * xi[t];
+            y[(size_t)i * ldy + (size_t)rows[q]] = f32_to_bf16(s + b);
         }
     }
+}
+
+/* Output rows [r0, r1). With NR == 2 the range is cut in two halves walked side by side, so
+ * the weights are read as two sequential streams and every x load serves two rows. */
+QD_INLINE void rows_kernel(const float* xp, size_t ldx, const uint16_t* w, const uint16_t* bias,
+                           uint16_t* y, size_t ldy, int k, int r0, int r1, const int MB,
+                           const int P, const int NR) {
+    int r = r0;
+    if (NR > 1) {
+        const int part = (r1 - r0) / NR;
+        for (; r < r0 + part; r++) {
+            int rows[8];
+            for (int q = 0; q < NR; q++) rows[q] = r + q * part;
+            block_kernel(xp, ldx, w, bias, y, ldy, k, rows, MB, P, NR);
+        }
+        r = r0 + NR * part;
+    }
+    for (; r < r1; r++) block_kernel(xp, ldx, w, bias, y, ldy, k, &r, MB, P, 1);
 }
 
 typedef void (*rows_fn)(const float*, size_t, const uint16_t*, const uint16_t*, uint16_t*, size_t,
                         int, int, int);
 
-/* Partial sums per x row, by number of x rows: MB*P accumulators stay within 12 registers. */
+/* Per number of x rows MB: P partial sums per (x row, weight row) and NR weight rows (one
+ * stream each) at once. NR*MB*P accumulators stay within 12 of the 16 ymm registers. */
 #ifndef QD_P1
-#define QD_P1 4
+#define QD_P1 1
+#endif
+#ifndef QD_NR1
+#define QD_NR1 4
 #endif
 #ifndef QD_P2
-#define QD_P2 4
+#define QD_P2 1
+#endif
+#ifndef QD_NR2
+#define QD_NR2 4
 #endif
 #ifndef QD_P3
-#define QD_P3 4
+#define QD_P3 1
+#endif
+#ifndef QD_NR3
+#define QD_NR3 4
 #endif
 #ifndef QD_P4
-#define QD_P4 2
+#define QD_P4 1
+#endif
+#ifndef QD_NR4
+#define QD_NR4 2
+#endif
+#ifndef QD_NR5
+#define QD_NR5 2
+#endif
+#ifndef QD_NR6
+#define QD_NR6 2
+#endif
+#ifndef QD_NR7
+#define QD_NR7 2
+#endif
+#ifndef QD_NR8
+#define QD_NR8 2
 #endif
 
-#define QD_DEFINE(NAME, MB, P)                                                               \
+#define QD_DEFINE(NAME, MB, P, NR)                                                           \
     static QD_TARGET void NAME(const float* xp, size_t ldx, const uint16_t* w,              \
                                const uint16_t* bias, uint16_t* y, size_t ldy, int k, int r0, \
                                int r1) {                                                    \
-        rows_kernel(xp, ldx, w, bias, y, ldy, k, r0, r1, MB, P);                            \
+        rows_kernel(xp, ldx, w, bias, y, ldy, k, r0, r1, MB, P, NR);                        \
     }
-QD_DEFINE(rows_1, 1, QD_P1)
-QD_DEFINE(rows_2, 2, QD_P2)
-QD_DEFINE(rows_3, 3, QD_P3)
-QD_DEFINE(rows_4, 4, QD_P4)
-QD_DEFINE(rows_5, 5, 2)
-QD_DEFINE(rows_6, 6, 2)
-QD_DEFINE(rows_7, 7, 1)
-QD_DEFINE(rows_8, 8, 1)
+QD_DEFINE(rows_1, 1, QD_P1, QD_NR1)
+QD_DEFINE(rows_2, 2, QD_P2, QD_NR2)
+QD_DEFINE(rows_3, 3, QD_P3, QD_NR3)
+QD_DEFINE(rows_4, 4, QD_P4, QD_NR4)
+QD_DEFINE(rows_5, 5, 1, QD_NR5)
+QD_DEFINE(rows_6, 6, 1, QD_NR6)
+QD_DEFINE(rows_7, 7, 1, QD_NR7)
+QD_DEFINE(rows_8, 8, 1, QD_NR8)
 
 static const rows_fn ROWS_FN[QD_MAX_MB + 1] = {NULL,   rows_1, rows_2, rows_3, rows_4,
                                                  rows_5, rows_6, rows_7, rows_8};
@@ -184,24 +222,12 @@ int qd_linear_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, u
     if (nthreads == 1) {
         run_range(xp, ldx, w, bias, y, m, n, k, 0, n);
     } else {
-#if QD_DYNAMIC
-        /* Chunks of ~QD_CHUNK_BYTES of weights handed out dynamically: a thread that loses its
-         * core to another process does not hold the others up for the rest of its share. */
-        int chunk = (int)(QD_CHUNK_BYTES / ((size_t)k * 2));
-        if (chunk < 1) chunk = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-        for (int r0 = 0; r0 < n; r0 += chunk) {
-            int r1 = r0 + chunk < n ? r0 + chunk : n;
-            run_range(xp, ldx, w, bias, y, m, n, k, r0, r1);
-        }
-#else
 #pragma omp parallel num_threads(nthreads)
         {
             int t = omp_get_thread_num(), nt = omp_get_num_threads();
             int r0 = (int)((long long)n * t / nt), r1 = (int)((long long)n * (t + 1) / nt);
             if (r1 > r0) run_range(xp, ldx, w, bias, y, m, n, k, r0, r1);
         }
-#endif
     }
     free(xp);
     return 0;

@@ -65,6 +65,43 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+class Linear(nn.Module):
+    """``y = x W^T + b`` with a CPU fast path for bf16.
+
+    torch's bf16 GEMM on CPUs without native bf16 (AVX2) costs about one GEMV per row, which
+    makes verification and prefill 5-10x slower than they need be. After
+    :meth:`enable_cpu_fast_path`, up to ``gemv_rows`` rows go through a bf16 GEMV kernel in
+    chunks of ``chunk`` rows (each chunk reads the weights once: memory-bound), and larger
+    batches through an fp32 GEMM on an on-the-fly fp32 copy of the weights (bf16 -> fp32 is
+    exact). All paths accumulate in fp32 and round once to bf16, like torch's bf16 linear.
+    """
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
+                 weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.weight = weight if weight is not None else _param(out_features, in_features,
+                                                               dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.gemv: Any = None  # (x [<= chunk, in], weight, bias) -> y
+        self.chunk = 0
+        self.gemv_rows = 0
+
+    def enable_cpu_fast_path(self, gemv: Any, chunk: int, gemv_rows: int) -> None:
+        self.gemv, self.chunk, self.gemv_rows = gemv, chunk, gemv_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        rows = x.shape[0]
+        if self.gemv is None:
+            return F.linear(x, self.weight, self.bias)
+        if rows <= self.chunk:
+            return self.gemv(x, self.weight, self.bias)
+        if rows <= self.gemv_rows:
+            return torch.cat([self.gemv(x[i : i + self.chunk], self.weight, self.bias)
+                              for i in range(0, rows, self.chunk)])
+        bias = self.bias.float() if self.bias is not None else None
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -84,11 +121,9 @@ class Attention(nn.Module):
         self.head_dim = shape.head_dim
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
-        qkv_rows = self.q_size + 2 * self.kv_size
-        self.qkv_weight = _param(qkv_rows, shape.hidden_size, dtype=dtype)
-        self.qkv_bias = _param(qkv_rows, dtype=dtype) if shape.qkv_bias else None
-        self.o_weight = _param(shape.hidden_size, self.q_size, dtype=dtype)
-        self.o_bias = _param(shape.hidden_size, dtype=dtype) if shape.o_bias else None
+        self.qkv = Linear(self.q_size + 2 * self.kv_size, shape.hidden_size, shape.qkv_bias,
+                          dtype)
+        self.o = Linear(shape.hidden_size, self.q_size, shape.o_bias, dtype)
         self.scale = self.head_dim**-0.5
         self.backend = backend
 
@@ -99,7 +134,7 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q + 2 kv]
+        qkv = self.qkv(x)  # [num_tokens, q + 2 kv]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k are adjacent columns: rotate both heads sets in one pass
         qk = apply_rotary(qk.view(-1, self.heads + self.kv_heads, self.head_dim), *cos_sin)
@@ -107,21 +142,19 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v.view(-1, self.kv_heads, self.head_dim), kv_cache,
                               meta.slot_mapping)
         out = self.backend.paged_attention(q, kv_cache, meta, self.scale)  # [T, H, D]
-        return F.linear(out.reshape(-1, self.q_size), self.o_weight, self.o_bias)
+        return self.o(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, shape: ModelShape, dtype: torch.dtype) -> None:
         super().__init__()
         inter = shape.intermediate_size
-        self.gate_up_weight = _param(2 * inter, shape.hidden_size, dtype=dtype)
-        self.gate_up_bias = _param(2 * inter, dtype=dtype) if shape.mlp_bias else None
-        self.down_weight = _param(shape.hidden_size, inter, dtype=dtype)
-        self.down_bias = _param(shape.hidden_size, dtype=dtype) if shape.mlp_bias else None
+        self.gate_up = Linear(2 * inter, shape.hidden_size, shape.mlp_bias, dtype)
+        self.down = Linear(shape.hidden_size, inter, shape.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -150,8 +183,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(shape, dtype, backend) for _ in range(shape.num_layers))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
-        self.lm_head = (self.embed_tokens if shape.tie_word_embeddings
-                        else _param(shape.vocab_size, shape.hidden_size, dtype=dtype))
+        self.lm_head = Linear(shape.vocab_size, shape.hidden_size, False, dtype,
+                              weight=self.embed_tokens if shape.tie_word_embeddings else None)
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_positions, dtype)
 
     def forward(
@@ -168,7 +201,13 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
+
+    def enable_cpu_fast_path(self, gemv: Any, chunk: int, gemv_rows: int) -> None:
+        """Route bf16 matmuls through the CPU GEMV kernel / fp32 GEMM (see :class:`Linear`)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.enable_cpu_fast_path(gemv, chunk, gemv_rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (fused) parameters; every parameter must be filled."""
@@ -193,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"weights missing for {missing[:5]}")
 
 
-def _slices(shape: ModelShape) -> dict[str, tuple[str, tuple[int, int]]]:
+def _slices(shape: ModelShape) -> dict[str, tuple[str, tuple[int, int] | None]]:
     q, kv, inter = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, \
         shape.intermediate_size
     return {
@@ -202,6 +241,8 @@ def _slices(shape: ModelShape) -> dict[str, tuple[str, tuple[int, int]]]:
         "self_attn.v_proj": ("self_attn.qkv", (q + kv, q + 2 * kv)),
         "mlp.gate_proj": ("mlp.gate_up", (0, inter)),
         "mlp.up_proj": ("mlp.gate_up", (inter, 2 * inter)),
+        "self_attn.o_proj": ("self_attn.o", None),
+        "mlp.down_proj": ("mlp.down", None),
     }
 
 
@@ -210,7 +251,7 @@ def _map_weight(name: str, shape: ModelShape) -> tuple[str | None, tuple[int, in
     if "rotary_emb" in name:
         return None, None
     if name == "lm_head.weight":
-        return (None, None) if shape.tie_word_embeddings else ("lm_head", None)
+        return (None, None) if shape.tie_word_embeddings else ("lm_head.weight", None)
     name = name.removeprefix("model.")
     if name in ("embed_tokens.weight", "norm.weight"):
         return name.removesuffix(".weight") if name.startswith("embed") else name, None
@@ -218,9 +259,8 @@ def _map_weight(name: str, shape: ModelShape) -> tuple[str | None, tuple[int, in
     index, _, rest = rest.partition(".")
     module, _, kind = rest.rpartition(".")  # "self_attn.q_proj", "weight"
     base = f"layers.{index}."
-    if module in _slices(shape):
-        target, rows = _slices(shape)[module]
-        return f"{base}{target}_{kind}", rows
-    if module in ("self_attn.o_proj", "mlp.down_proj"):
-        return f"{base}{module.replace('_proj', '')}_{kind}", None
+    fused = _slices(shape)
+    if module in fused:
+        target, rows = fused[module]
+        return f"{base}{target}.{kind}", rows
     return f"{base}{rest}", None
