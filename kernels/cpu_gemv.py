@@ -11,6 +11,7 @@ ctypes. Without gcc, AVX2/FMA/F16C or on a failed build, :func:`available` is Fa
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -70,6 +71,10 @@ def _build(source: bytes, cc: str) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    for stale in out_dir.glob("cpu_gemv-*.so"):  # builds of older sources (unlinking is safe
+        if stale != target:                      # even if another process has one loaded)
+            with contextlib.suppress(OSError):
+                stale.unlink()
     return target
 
 

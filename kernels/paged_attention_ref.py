@@ -16,6 +16,7 @@ group of sequences.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 # Sequences with at most this many new tokens are padded into one batched group;
 # longer ones (prefill chunks) are attended one by one.
 SMALL_QUERY_MAX = 16
+# bf16 decode over at least this many cached tokens uses explicit fp32 math (see _attend_fn).
+LONG_CONTEXT = 384
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class AttentionGroup:
     valid_rows: torch.Tensor | None  # [n_valid] positions in the flattened [b*max_q] that are real
     kv_slots: torch.Tensor  # [b, max_ctx] int64 cache slots (padded with 0)
     mask: torch.Tensor | None  # [b, 1, max_q, max_ctx] bool, True = attend; None = no mask needed
-    is_causal: bool  # fresh prefill of one sequence: SDPA's own causal mask is exact
+    is_causal: bool  # fresh prefill of one sequence: SDPA may use its own causal mask instead
     batch: int
     max_q: int
 
@@ -76,7 +79,7 @@ def _plan_single(seq: int, meta_args: tuple, block_tables: torch.Tensor) -> Atte
     slots = _context_slots(block_tables[seq], ctx, block_size)[None]  # [1, ctx]
     fresh = ctx == q_len
     mask = None
-    if not fresh and q_len > 1:
+    if q_len > 1:
         q_pos = torch.arange(ctx - q_len, ctx)[:, None]  # [q, 1]
         mask = (torch.arange(ctx)[None, :] <= q_pos)[None, None]  # [1, 1, q, ctx]
     return AttentionGroup(None, start, None, slots, mask, fresh and q_len > 1, 1, q_len)
@@ -165,23 +168,59 @@ def write_kv(
     flat[1].index_copy_(0, slot_mapping, value)
 
 
-def _attend_group(
-    query: torch.Tensor, kv_flat: torch.Tensor, group: AttentionGroup, scale: float
-) -> torch.Tensor:
-    heads, dim = query.shape[1], query.shape[2]
+def _group_queries(query: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """The group's query rows as ``[b, max_q, H, D]``."""
     if group.token_rows is None:
         n = group.batch * group.max_q
         q = query[group.first_row : group.first_row + n]
     else:
         q = query[group.token_rows.reshape(-1)]
-    q = q.view(group.batch, group.max_q, heads, dim).transpose(1, 2)  # [b, H, q, D]
+    return q.view(group.batch, group.max_q, query.shape[1], query.shape[2])
+
+
+def _attend_group_sdpa(
+    query: torch.Tensor, kv_flat: torch.Tensor, group: AttentionGroup, scale: float
+) -> torch.Tensor:
+    """fp32: torch's SDPA, the same kernel HF uses (keeps greedy output bit-comparable)."""
+    heads, dim = query.shape[1], query.shape[2]
+    q = _group_queries(query, group).transpose(1, 2)  # [b, H, q, D]
     kv = kv_flat[:, group.kv_slots]  # [2, b, ctx, KVH, D]: K and V in one gather
     k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [b, KVH, ctx, D]
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=group.mask, is_causal=group.is_causal, scale=scale,
-        enable_gqa=heads != k.shape[1],
+        q, k, v, attn_mask=None if group.is_causal else group.mask,
+        is_causal=group.is_causal, scale=scale, enable_gqa=heads != k.shape[1],
     )  # [b, H, q, D]
     return out.transpose(1, 2).reshape(group.batch * group.max_q, heads, dim)
+
+
+def _attend_group_fp32_math(
+    query: torch.Tensor, kv_flat: torch.Tensor, group: AttentionGroup, scale: float
+) -> torch.Tensor:
+    """bf16/fp16: explicit fp32 matmuls. On CPUs without native bf16, SDPA's bf16 kernels are
+    3-10x slower than this for decode and verification over long contexts."""
+    b, max_q, heads, dim = group.batch, group.max_q, query.shape[1], query.shape[2]
+    kv_heads = kv_flat.shape[2]
+    q = _group_queries(query, group).float()  # [b, q, H, D]
+    q = q.view(b, max_q, kv_heads, heads // kv_heads, dim).permute(0, 2, 3, 1, 4)
+    kv = kv_flat[:, group.kv_slots].float()  # [2, b, ctx, KVH, D]
+    k = kv[0].permute(0, 2, 3, 1).unsqueeze(2)  # [b, KVH, 1, D, ctx]
+    v = kv[1].permute(0, 2, 1, 3).unsqueeze(2)  # [b, KVH, 1, ctx, D]
+    scores = torch.matmul(q, k).mul_(scale)  # [b, KVH, G, q, ctx]
+    if group.mask is not None:
+        scores.masked_fill_(~group.mask.unsqueeze(1), float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v)  # [b, KVH, G, q, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(b * max_q, heads, dim).to(query.dtype)
+
+
+def _attend_fn(dtype: torch.dtype, group: AttentionGroup) -> Callable[..., torch.Tensor]:
+    """fp32 always uses SDPA (HF's kernel). For bf16, SDPA wins on prefill chunks and short
+    single-sequence decode; explicit fp32 math wins on batched or long-context decode."""
+    if dtype == torch.float32:
+        return _attend_group_sdpa
+    single = group.batch == 1
+    if single and (group.max_q > SMALL_QUERY_MAX or group.kv_slots.shape[1] < LONG_CONTEXT):
+        return _attend_group_sdpa
+    return _attend_group_fp32_math
 
 
 def paged_attention(
@@ -193,10 +232,11 @@ def paged_attention(
     """Attention of each sequence's new tokens over its cached context (reference path)."""
     kv_flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, kv_heads, head_dim]
     if len(meta.groups) == 1 and meta.groups[0].token_rows is None:
-        return _attend_group(query, kv_flat, meta.groups[0], scale)
+        group = meta.groups[0]
+        return _attend_fn(query.dtype, group)(query, kv_flat, group, scale)
     out = torch.empty_like(query)
     for group in meta.groups:
-        result = _attend_group(query, kv_flat, group, scale)
+        result = _attend_fn(query.dtype, group)(query, kv_flat, group, scale)
         if group.token_rows is None:
             out[group.first_row : group.first_row + result.shape[0]] = result
         else:

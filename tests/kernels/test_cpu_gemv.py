@@ -142,6 +142,9 @@ def test_build_into_fresh_cache(monkeypatch, tmp_path):
     assert path.parent == tmp_path / "kernels" and path.exists()
     assert cpu_gemv._build(src, shutil.which("gcc")) == path  # cached
     assert [p.name for p in (tmp_path / "kernels").iterdir()] == [path.name]  # no temp left
+    new = cpu_gemv._build(src + b"\n/* edited */\n", shutil.which("gcc"))
+    assert new != path  # an edited source gets a new library; the stale one is removed
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [new.name]
 
 
 @needs_kernel

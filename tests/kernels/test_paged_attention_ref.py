@@ -53,3 +53,18 @@ def test_write_kv_places_tokens_in_their_slots():
     for i, pos in enumerate(range(2, 5)):
         slot = meta.slot_mapping[i].item()
         assert slot == table[pos // 2] * 2 + pos % 2
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens",
+    [([1], [40]), ([1], [400]), ([7], [7]), ([4, 1, 30, 3], [10, 17, 45, 3]),
+     ([1, 1], [9, 70])],
+)
+def test_bf16_fp32_math_path_matches_naive(block_size, q_lens, ctx_lens):
+    query, kv_cache, meta = _random_step(q_lens, ctx_lens, block_size, heads=6, kv_heads=2)
+    query, kv_cache = query.bfloat16(), kv_cache.bfloat16()
+    got = paged_attention(query, kv_cache, meta, 8**-0.5)
+    want = naive_attention(query, kv_cache, meta, 8**-0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

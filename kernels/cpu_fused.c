@@ -1,0 +1,349 @@
+/* Fused bf16 element-wise kernels for CPU decode: RMSNorm (optionally with the residual add),
+ * neox RoPE (in place, strided q/k views) and SiLU(gate) * up.
+ *
+ * Plain C (no torch headers), loaded with ctypes by kernels/cpu_fused.py; needs AVX2 + FMA
+ * (the Python side checks the CPU flags). At batch 1 these ops work on a few KB each, so what
+ * they replace is mostly torch's per-op overhead; each kernel here is one call per op.
+ *
+ * Every kernel reproduces the plain-torch reference in cpu_fused.py bit for bit (fp32 math,
+ * the same intermediate roundings to bf16, round-to-nearest-even), so it must be built with
+ * -ffp-contract=off: a mul + add contracted into an FMA would round differently.
+ *   - RMSNorm: the sum of squares follows the order of ATen's vectorised cascade sum
+ *     (aten/src/ATen/native/cpu/SumKernel.cpp: 4 interleaved accumulator vectors of `lanes`
+ *     floats, cascaded every 16 steps, then the scalar tail, then the lanes in order), mean is
+ *     sum / n and rsqrt is 1 / sqrt (both correctly rounded, as in ATen).
+ *   - SiLU: exp is a port of SLEEF's expf_u10 (what ATen's Vectorized<float>::exp calls), and
+ *     the last `inter % vec_block` elements of each row use libm's expf, as ATen's scalar tail
+ *     loop does.
+ * NaN rounds to 0x7fc0 (torch's scalar conversion; its AVX2 one gives 0xffff, also a NaN).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QD_TARGET __attribute__((target("avx2,fma")))
+#define QD_INLINE static inline __attribute__((always_inline)) QD_TARGET
+
+/* More rows than this are split across OpenMP threads; fewer run on the calling thread
+ * (waking the pool costs more than the work). */
+#define QD_PAR_ROWS 16
+
+/* ------------------------------------------------------------------------------------------ */
+/* scalar helpers */
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* f rounded to the nearest bf16, as an fp32 value. */
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* ------------------------------------------------------------------------------------------ */
+/* vector helpers (8 lanes) */
+
+QD_INLINE __m256 load_bf16(const uint16_t* p) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+/* Round to nearest even, result in the high half of each 32-bit lane (low half zero);
+ * NaN lanes become 0x7fc0. */
+QD_INLINE __m256i round_bits(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+    const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_ORD_Q));
+    return _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc00000), r, ordered);
+}
+
+/* f rounded to the nearest bf16, as fp32 lanes. */
+QD_INLINE __m256 round_bf16_v(__m256 f) { return _mm256_castsi256_ps(round_bits(f)); }
+
+QD_INLINE void store_bf16(uint16_t* p, __m256 f) {
+    __m256i r = _mm256_srli_epi32(round_bits(f), 16);
+    r = _mm256_packus_epi32(r, r);            /* 0-3 0-3 | 4-7 4-7 */
+    r = _mm256_permute4x64_epi64(r, 0xd8);    /* 0-3 4-7 | ... */
+    _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(r));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* RMSNorm */
+
+static int ceil_log2(long long x) {
+    if (x <= 2) return 1;
+    return 64 - __builtin_clzll((unsigned long long)(x - 1));
+}
+
+/* Sum of xf[i]^2 (each square rounded to fp32) in ATen's order for a contiguous inner
+ * reduction of n >= 8 * NV floats, with torch vectors of 8 * NV lanes (NV = 1: AVX2, 2: AVX512).
+ * A torch vector is NV __m256; lane-wise adds are the same whatever the register width. */
+QD_INLINE float torch_sumsq_vec(const float* xf, long long n, const int NV) {
+    const long long W = 8 * NV;
+    const long long vec_size = n / W;
+    /* row_sum(): vec_size vectors seen as a (-1, 4) array; multi_row_sum() over its rows */
+    const long long size_ilp = vec_size / 4;
+    int lp = ceil_log2(size_ilp) / 4;
+    if (lp < 4) lp = 4;
+    const long long step = 1LL << lp, mask = step - 1;
+    __m256 acc[4][4][2];
+    for (int l = 0; l < 4; l++)
+        for (int k = 0; k < 4; k++)
+            for (int v = 0; v < NV; v++) acc[l][k][v] = _mm256_setzero_ps();
+#define QD_ACC_SQ(dst, p)                                                   \
+    for (int v = 0; v < NV; v++) {                                          \
+        const __m256 t = _mm256_loadu_ps((p) + 8 * v);                      \
+        (dst)[v] = _mm256_add_ps((dst)[v], _mm256_mul_ps(t, t));            \
+    }
+    long long i = 0;
+    while (i + step <= size_ilp) {
+        for (long long j = 0; j < step; j++, i++) {
+            const float* base = xf + i * 4 * W;
+            for (int k = 0; k < 4; k++) { QD_ACC_SQ(acc[0][k], base + k * W) }
+        }
+        for (int l = 1; l < 4; l++) {
+            for (int k = 0; k < 4; k++)
+                for (int v = 0; v < NV; v++) {
+                    acc[l][k][v] = _mm256_add_ps(acc[l][k][v], acc[l - 1][k][v]);
+                    acc[l - 1][k][v] = _mm256_setzero_ps();
+                }
+            if ((i & (mask << (l * lp))) != 0) break;
+        }
+    }
+    for (; i < size_ilp; i++) {
+        const float* base = xf + i * 4 * W;
+        for (int k = 0; k < 4; k++) { QD_ACC_SQ(acc[0][k], base + k * W) }
+    }
+    for (int l = 1; l < 4; l++)
+        for (int k = 0; k < 4; k++)
+            for (int v = 0; v < NV; v++) acc[0][k][v] = _mm256_add_ps(acc[0][k][v], acc[l][k][v]);
+    for (long long r = size_ilp * 4; r < vec_size; r++) { QD_ACC_SQ(acc[0][0], xf + r * W) }
+#undef QD_ACC_SQ
+    for (int k = 1; k < 4; k++)
+        for (int v = 0; v < NV; v++) acc[0][0][v] = _mm256_add_ps(acc[0][0][v], acc[0][k][v]);
+    /* vectorized_inner_sum(): scalar tail first, then the lanes of the vector sum in order */
+    float total = 0.0f;
+    for (long long t = vec_size * W; t < n; t++) total += xf[t] * xf[t];
+    float lanes[16];
+    for (int v = 0; v < NV; v++) _mm256_storeu_ps(lanes + 8 * v, acc[0][0][v]);
+    for (int l = 0; l < W; l++) total += lanes[l];
+    return total;
+}
+
+/* ATen's scalar_inner_sum() (n below one torch vector): row_sum() on scalars. */
+static float torch_sumsq_scalar(const float* xf, long long n) {
+    const long long size_ilp = n / 4;
+    int lp = ceil_log2(size_ilp) / 4;
+    if (lp < 4) lp = 4;
+    const long long step = 1LL << lp, mask = step - 1;
+    float acc[4][4] = {{0}};
+    long long i = 0;
+    while (i + step <= size_ilp) {
+        for (long long j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++) acc[0][k] += xf[4 * i + k] * xf[4 * i + k];
+        for (int l = 1; l < 4; l++) {
+            for (int k = 0; k < 4; k++) {
+                acc[l][k] += acc[l - 1][k];
+                acc[l - 1][k] = 0.0f;
+            }
+            if ((i & (mask << (l * lp))) != 0) break;
+        }
+    }
+    for (; i < size_ilp; i++)
+        for (int k = 0; k < 4; k++) acc[0][k] += xf[4 * i + k] * xf[4 * i + k];
+    for (int l = 1; l < 4; l++)
+        for (int k = 0; k < 4; k++) acc[0][k] += acc[l][k];
+    for (long long t = size_ilp * 4; t < n; t++) acc[0][0] += xf[t] * xf[t];
+    for (int k = 1; k < 4; k++) acc[0][0] += acc[0][k];
+    return acc[0][0];
+}
+
+static QD_TARGET float torch_sumsq(const float* xf, long long n, int lanes) {
+    if (lanes == 16) return n >= 16 ? torch_sumsq_vec(xf, n, 2) : torch_sumsq_scalar(xf, n);
+    return n >= 8 ? torch_sumsq_vec(xf, n, 1) : torch_sumsq_scalar(xf, n);
+}
+
+/* One row: r = bf16(x + res) (or x), y = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))). */
+static QD_TARGET void rms_row(const uint16_t* x, const uint16_t* res, const uint16_t* w,
+                              uint16_t* y, uint16_t* res_out, int n, float eps, int lanes,
+                              float* xf) {
+    const int n8 = n & ~7;
+    int i = 0;
+    if (res) {
+        for (; i < n8; i += 8) {
+            const __m256 r = round_bf16_v(_mm256_add_ps(load_bf16(x + i), load_bf16(res + i)));
+            store_bf16(res_out + i, r);
+            _mm256_storeu_ps(xf + i, r);
+        }
+        for (; i < n; i++) {
+            const uint16_t r = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(res[i]));
+            res_out[i] = r;
+            xf[i] = bf16_to_f32(r);
+        }
+    } else {
+        for (; i < n8; i += 8) _mm256_storeu_ps(xf + i, load_bf16(x + i));
+        for (; i < n; i++) xf[i] = bf16_to_f32(x[i]);
+    }
+    const float var = torch_sumsq(xf, n, lanes) / (float)n;
+    const float inv = 1.0f / sqrtf(var + eps);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (i = 0; i < n8; i += 8) {
+        const __m256 h = round_bf16_v(_mm256_mul_ps(_mm256_loadu_ps(xf + i), vinv));
+        store_bf16(y + i, _mm256_mul_ps(load_bf16(w + i), h));
+    }
+    for (; i < n; i++) y[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(xf[i] * inv));
+}
+
+/* y[rows, n] = rms_norm(x (+ res)) * w; with res, res_out[rows, n] = bf16(x + res).
+ * x, res, y, res_out: [rows, n] contiguous bf16 (res, res_out may be NULL; res_out may alias
+ * x or res, y may alias x when res is NULL); w: [n]. lanes: torch's fp32 vector width (8 or
+ * 16), which fixes the summation order. Returns 0, or -1 on bad arguments / no memory. */
+int qd_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* y,
+                     uint16_t* res_out, int rows, int n, float eps, int lanes, int nthreads) {
+    if (rows < 0 || n <= 0 || !x || !w || !y || (res && !res_out)) return -1;
+    if (rows == 0) return 0;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    if (rows <= QD_PAR_ROWS) nthreads = 1;
+    if (nthreads > rows) nthreads = rows;
+    int status = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float stack_buf[2048];
+        float* xf = n <= 2048 ? stack_buf : (float*)malloc((size_t)n * sizeof(float));
+        if (!xf) {
+#pragma omp atomic write
+            status = -1;
+        }
+        /* every thread takes part in the loop (a worksharing construct); without a buffer
+         * its rows are skipped and the call fails */
+#pragma omp for schedule(static)
+        for (int r = 0; r < rows; r++) {
+            if (!xf) continue;
+            const size_t off = (size_t)r * (size_t)n;
+            rms_row(x + off, res ? res + off : NULL, w, y + off, res_out ? res_out + off : NULL, n,
+                    eps, lanes, xf);
+        }
+        if (xf && xf != stack_buf) free(xf);
+    }
+    return status;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* neox RoPE */
+
+/* One head in place: out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)). */
+static QD_TARGET void rope_head(uint16_t* x, const uint16_t* c, const uint16_t* s, int d) {
+    const int half = d / 2, h8 = half & ~7;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i < h8; i += 8) {
+        const __m256 a = load_bf16(x + i), b = load_bf16(x + half + i);
+        const __m256 lo = _mm256_add_ps(
+            round_bf16_v(_mm256_mul_ps(a, load_bf16(c + i))),
+            round_bf16_v(_mm256_mul_ps(_mm256_xor_ps(b, sign), load_bf16(s + i))));
+        const __m256 hi = _mm256_add_ps(round_bf16_v(_mm256_mul_ps(b, load_bf16(c + half + i))),
+                                        round_bf16_v(_mm256_mul_ps(a, load_bf16(s + half + i))));
+        store_bf16(x + i, lo);
+        store_bf16(x + half + i, hi);
+    }
+    for (; i < half; i++) {
+        const float a = bf16_to_f32(x[i]), b = bf16_to_f32(x[half + i]);
+        const float lo = round_bf16(a * bf16_to_f32(c[i])) + round_bf16(-b * bf16_to_f32(s[i]));
+        const float hi = round_bf16(b * bf16_to_f32(c[half + i])) +
+                         round_bf16(a * bf16_to_f32(s[half + i]));
+        x[i] = f32_to_bf16(lo);
+        x[half + i] = f32_to_bf16(hi);
+    }
+}
+
+/* x: [rows, heads, d] bf16 with element strides (row_stride, head_stride, 1), rotated in
+ * place; cos, sin: [rows, d] contiguous bf16 shared by all heads. d must be even. */
+int qd_rope_neox_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int rows, int heads,
+                      int d, long long row_stride, long long head_stride, int nthreads) {
+    if (rows < 0 || heads < 0 || d <= 0 || (d & 1) || !x || !cos || !sin) return -1;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    if (rows <= QD_PAR_ROWS) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t* c = cos + (size_t)r * (size_t)d;
+        const uint16_t* s = sin + (size_t)r * (size_t)d;
+        for (int h = 0; h < heads; h++) rope_head(x + r * row_stride + h * head_stride, c, s, d);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* SiLU(gate) * up */
+
+/* SLEEF 3.x xexpf (u10) for AVX2 + FMA, operation for operation. */
+QD_INLINE __m256 sleef_expf(__m256 d) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+    const __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    /* vldexp2: u * 2^(q >> 1) * 2^(q - (q >> 1)) */
+    const __m256i q1 = _mm256_srai_epi32(q, 1), q2 = _mm256_sub_epi32(q, q1);
+    const __m256i bias = _mm256_set1_epi32(0x7f);
+    u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q1, bias), 23)));
+    u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q2, bias), 23)));
+    u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    u = _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY),
+                         _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
+    return u;
+}
+
+static QD_TARGET void silu_mul_row(const uint16_t* g, const uint16_t* up, uint16_t* y, int n,
+                                   int vec_end) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= vec_end; i += 8) {
+        const __m256 a = load_bf16(g + i);
+        const __m256 e = sleef_expf(_mm256_xor_ps(a, sign));
+        const __m256 act = round_bf16_v(_mm256_div_ps(a, _mm256_add_ps(one, e)));
+        store_bf16(y + i, _mm256_mul_ps(act, load_bf16(up + i)));
+    }
+    for (; i < n; i++) {
+        const float a = bf16_to_f32(g[i]);
+        const float act = round_bf16(a / (1.0f + expf(-a)));
+        y[i] = f32_to_bf16(act * bf16_to_f32(up[i]));
+    }
+}
+
+/* y[rows, inter] = bf16(bf16(silu(gate)) * up) with gate, up the two halves of each row of
+ * gate_up[rows, 2 * inter] (contiguous bf16). vec_block: elements per iteration of torch's
+ * vectorised loop (2 bf16 vectors: 32 on AVX2, 64 on AVX512; 0: torch has no vector exp);
+ * the last inter % vec_block of each row use libm's expf, as torch does. */
+int qd_silu_mul_bf16(const uint16_t* gate_up, uint16_t* y, int rows, int inter, int vec_block,
+                     int nthreads) {
+    if (rows < 0 || inter <= 0 || vec_block < 0 || (vec_block & 7) || !gate_up || !y) return -1;
+    const int vec_end = vec_block ? inter - inter % vec_block : 0;
+    if (nthreads <= 0) nthreads = omp_get_max_threads();
+    if (rows <= QD_PAR_ROWS) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t* g = gate_up + (size_t)r * 2 * (size_t)inter;
+        silu_mul_row(g, g + inter, y + (size_t)r * (size_t)inter, inter, vec_end);
+    }
+    return 0;
+}
