@@ -177,6 +177,14 @@ static QD_TARGET float torch_sumsq(const float* xf, long long n, int lanes) {
     return n >= 8 ? torch_sumsq_vec(xf, n, 1) : torch_sumsq_scalar(xf, n);
 }
 
+/* Exported for the tests: out[r] = sum of x[r, :]^2 over rows of a [rows, n] fp32 matrix, in
+ * the order above; must equal torch's x.pow(2).sum(-1) bit for bit. */
+int qd_sumsq_f32(const float* x, float* out, int rows, int n, int lanes) {
+    if (rows < 0 || n <= 0 || !x || !out) return -1;
+    for (int r = 0; r < rows; r++) out[r] = torch_sumsq(x + (size_t)r * (size_t)n, n, lanes);
+    return 0;
+}
+
 /* One row: r = bf16(x + res) (or x), y = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))). */
 static QD_TARGET void rms_row(const uint16_t* x, const uint16_t* res, const uint16_t* w,
                               uint16_t* y, uint16_t* res_out, int n, float eps, int lanes,
@@ -311,6 +319,20 @@ QD_INLINE __m256 sleef_expf(__m256 d) {
     u = _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY),
                          _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
     return u;
+}
+
+/* Exported for the tests: fp32 y = x / (1 + exp(-x)) with sleef_expf for each full group of
+ * 8, libm's expf for the rest: must equal F.silu on fp32 bit for bit when n % 16 == 0. */
+QD_TARGET int qd_silu_f32(const float* x, float* y, int n) {
+    if (n < 0 || !x || !y) return -1;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 a = _mm256_loadu_ps(x + i);
+        _mm256_storeu_ps(y + i, _mm256_div_ps(a, _mm256_add_ps(one, sleef_expf(_mm256_xor_ps(a, sign)))));
+    }
+    for (; i < n; i++) y[i] = x[i] / (1.0f + expf(-x[i]));
+    return 0;
 }
 
 static QD_TARGET void silu_mul_row(const uint16_t* g, const uint16_t* up, uint16_t* y, int n,

@@ -17,8 +17,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.rope import RotaryEmbedding, apply_rotary
+from engine.models.rope import RotaryEmbedding
+from kernels import cpu_fused
 from kernels.paged_attention_ref import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The small per-layer ops: the torch references (HF op order, used for fp32 and as the
+    fallback) or the fused CPU kernels, which are bit-equal to them in bf16."""
+
+    rms_norm: Any  # (x, weight, eps) -> y
+    add_rms_norm: Any  # (x, residual, weight, eps) -> (y, x + residual)
+    rope: Any  # (x [rows, heads, d] (may be a strided view), cos, sin) -> rotated x
+    silu_mul: Any  # (gate_up [rows, 2 * inter]) -> silu(gate) * up
+
+
+TORCH_OPS = LayerOps(cpu_fused.rms_norm_ref, cpu_fused.add_rms_norm_ref,
+                     cpu_fused.rope_neox_ref, cpu_fused.silu_mul_ref)
+FUSED_CPU_OPS = LayerOps(cpu_fused.rms_norm, cpu_fused.add_rms_norm, cpu_fused.rope_neox_,
+                         cpu_fused.silu_mul)
 
 
 @dataclass(frozen=True)
@@ -108,10 +126,13 @@ class RMSNorm(nn.Module):
         self.weight = _param(size, dtype=dtype)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops: LayerOps,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; with no residual yet, ``(norm(x), x)``."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        y, residual = ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return y, residual
 
 
 class Attention(nn.Module):
@@ -133,11 +154,12 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
+        ops: LayerOps,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         qkv = self.qkv(x)  # [num_tokens, q + 2 kv]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k are adjacent columns: rotate both heads sets in one pass
-        qk = apply_rotary(qk.view(-1, self.heads + self.kv_heads, self.head_dim), *cos_sin)
+        qk = ops.rope(qk.view(-1, self.heads + self.kv_heads, self.head_dim), *cos_sin)
         q, k = qk.split([self.heads, self.kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         self.backend.write_kv(k, v.view(-1, self.kv_heads, self.head_dim), kv_cache,
                               meta.slot_mapping)
@@ -152,9 +174,8 @@ class MLP(nn.Module):
         self.gate_up = Linear(2 * inter, shape.hidden_size, shape.mlp_bias, dtype)
         self.down = Linear(shape.hidden_size, inter, shape.mlp_bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.down(ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -165,10 +186,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
         self.mlp = MLP(shape, dtype)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the previous sub-layer's output, not yet added to ``residual`` (so each
+        add fuses into the next norm); same sums in the same order as HF."""
+        h, residual = self.input_layernorm(x, residual, ops)
+        h = self.self_attn(h, cos_sin, kv_cache, meta, ops)
+        h, residual = self.post_attention_layernorm(h, residual, ops)
+        return self.mlp(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -186,6 +212,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(shape.vocab_size, shape.hidden_size, False, dtype,
                               weight=self.embed_tokens if shape.tie_word_embeddings else None)
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_positions, dtype)
+        self.ops = TORCH_OPS
 
     def forward(
         self,
@@ -196,15 +223,19 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rotary.cos_sin(positions)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_cache, meta, self.ops)
+        return self.norm(x, residual, self.ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         return self.lm_head(hidden).float()
 
     def enable_cpu_fast_path(self, gemv: Any, chunk: int, gemv_rows: int) -> None:
-        """Route bf16 matmuls through the CPU GEMV kernel / fp32 GEMM (see :class:`Linear`)."""
+        """Route bf16 matmuls through the CPU GEMV kernel / fp32 GEMM (see :class:`Linear`)
+        and the small ops through the fused CPU kernels."""
+        if self.dtype == torch.bfloat16 and cpu_fused.available():
+            self.ops = FUSED_CPU_OPS
         for module in self.modules():
             if isinstance(module, Linear):
                 module.enable_cpu_fast_path(gemv, chunk, gemv_rows)

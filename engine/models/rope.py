@@ -114,14 +114,3 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[num_tokens, 1, head_dim]``, shared by all layers of a step."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(
-    x: torch.Tensor,  # [num_tokens, heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor,  # [num_tokens, 1, head_dim]
-) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` with the same op order as HF (bit-equal in fp32)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
-STATS = re.compile(r"\[(\d+) tokens, TTFT \d+ ms, [\d.]+ tok/s\]")
+STATS = re.compile(r"\[(\d+) tokens, TTFT \d+ ms, [\d.]+ tok/s(?:, speculation [^\]]*)?\]")
 
 
 def quickdraft_cmd() -> list[str]:

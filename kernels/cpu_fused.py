@@ -1,0 +1,277 @@
+"""Fused bf16 CPU kernels for decode: RMSNorm (+ residual add), neox RoPE, SiLU(gate) * up.
+
+At batch 1 each of these is a handful of torch ops on a few KB, so their cost is torch's
+per-op overhead, not arithmetic; ``cpu_fused.c`` does each in one ctypes call. It is built
+with gcc on first use into ``$QUICKDRAFT_CACHE/kernels`` (default ``~/.cache/quickdraft/
+kernels``), keyed by a hash of the source and flags, and loaded with ctypes. Without gcc,
+AVX2/FMA or on a failed build, :func:`available` is False and every function runs its
+``*_ref`` reference instead.
+
+The ``*_ref`` functions define the semantics (plain torch, the op order of HF Llama). The
+kernels reproduce them bit for bit on finite inputs: RMSNorm follows ATen's summation order
+for the mean of squares, SiLU uses a port of SLEEF's ``expf`` (what ATen's vectorised exp
+calls) and libm's ``expf`` where ATen's scalar tail loop would; RoPE and the adds only need
+the same roundings. (Bit-equality assumes ATen's order for the torch build in use: exact for
+``get_cpu_capability()`` AVX2 and AVX512, reductions of fewer than 32768 elements.)
+
+The fast functions are called ~120 times per decode step, so they check only what is cheap
+(dtype, ``is_cpu``, contiguity, shapes; anything else runs the reference). Not checked:
+autograd (they are for inference: outputs have no ``grad_fn``) and, for the in-place
+``rope_neox_``, overlap between x and cos/sin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_gemv import cache_dir
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_fused.c")
+# -ffp-contract=off: the kernels emulate torch's separate roundings; no implicit FMAs.
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC",
+           "-shared")
+_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+_BF16 = torch.bfloat16
+# More rows than this: ask torch for its thread count and let the C side use OpenMP (the C
+# side has the same threshold). Fewer: one thread, no torch.get_num_threads() call.
+_PAR_ROWS = 16
+
+_vp = ctypes.c_void_p
+_int = ctypes.c_int
+
+
+class _Lib(NamedTuple):
+    rms_norm: Callable[..., int]
+    rope: Callable[..., int]
+    silu_mul: Callable[..., int]
+    lanes: int  # torch's fp32 vector width: the summation order of mean()
+    vec_block: int  # elements per iteration of torch's vectorised unary loop (0: none)
+    dll: ctypes.CDLL  # the library (the tests call its checking helpers)
+
+
+def _cpu_supported() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split()) >= _CPU_FLAGS
+    return False
+
+
+def _build(source: bytes, cc: str) -> Path:
+    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    out_dir = cache_dir()
+    target = out_dir / f"cpu_fused-{digest}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_fused-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        # The source goes through stdin so that what is built is exactly what was hashed.
+        subprocess.run([cc, *_CFLAGS, "-o", tmp, "-x", "c", "-", "-lm"], input=source,
+                       check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    for stale in out_dir.glob("cpu_fused-*.so"):  # older builds of an edited source
+        if stale != target:
+            with contextlib.suppress(OSError):
+                stale.unlink()
+    return target
+
+
+def _torch_vector_widths() -> tuple[int, int]:
+    """(fp32 lanes of ATen's Vectorized<float>, bf16 elements per vectorised-loop iteration)
+    for the CPU capability torch dispatches to; they fix the order of its sums and which
+    elements its SiLU computes with SLEEF's exp rather than libm's."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512"):
+        return 16, 64
+    if cap == "AVX2":
+        return 8, 32
+    return 8, 0  # DEFAULT: 32-byte generic vectors, exp element by element (libm)
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> _Lib | None:
+    """Build (if needed) and load the kernels; None, with one warning, when impossible."""
+    try:
+        if not _cpu_supported():
+            log.warning("cpu_fused: CPU lacks AVX2/FMA/F16C; using torch ops")
+            return None
+        cc = shutil.which("gcc")
+        if cc is None:
+            log.warning("cpu_fused: gcc not found; using torch ops")
+            return None
+        path = _build(_SOURCE.read_bytes(), cc)
+        # CDLL: the GIL is released during calls; libgomp resolves to torch's (one pool).
+        lib = ctypes.CDLL(str(path))
+        rms = lib.qd_rms_norm_bf16
+        rms.argtypes = [_vp] * 5 + [_int, _int, ctypes.c_float, _int, _int]
+        rms.restype = _int
+        rope = lib.qd_rope_neox_bf16
+        rope.argtypes = [_vp] * 3 + [_int] * 3 + [ctypes.c_longlong] * 2 + [_int]
+        rope.restype = _int
+        silu = lib.qd_silu_mul_bf16
+        silu.argtypes = [_vp, _vp, _int, _int, _int, _int]
+        silu.restype = _int
+        lanes, vec_block = _torch_vector_widths()
+        return _Lib(rms, rope, silu, lanes, vec_block, lib)
+    except subprocess.CalledProcessError as e:
+        log.warning("cpu_fused: build failed, using torch ops:\n%s",
+                    e.stderr.decode(errors="replace"))
+    except Exception as e:
+        log.warning("cpu_fused: unavailable (%s: %s); using torch ops", type(e).__name__, e)
+    return None
+
+
+def available() -> bool:
+    """True when the kernels are built, loaded and the CPU can run them. Never raises."""
+    try:
+        return _lib() is not None
+    except Exception:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------
+# references (the semantics; also the fallbacks)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama RMSNorm: ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``."""
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``r = x + residual`` (rounded to x.dtype), then ``(rms_norm_ref(r), r)``."""
+    r = x + residual
+    return rms_norm_ref(r, weight, eps), r
+
+
+def rope_neox_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for x ``[rows, heads, d]`` and cos/sin ``[rows, d]``
+    (or ``[rows, 1, d]``), shared by all heads; a new tensor."""
+    rows, d = x.shape[0], x.shape[-1]
+    cos, sin = cos.reshape(rows, 1, d), sin.reshape(rows, 1, d)
+    half = d // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ----------------------------------------------------------------------------------------------
+# fast paths
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm_ref` in one call. x ``[..., hidden]`` and weight ``[hidden]``: CPU bf16,
+    contiguous (otherwise the reference runs)."""
+    lib = _lib()
+    if (lib is None or x.dtype is not _BF16 or weight.dtype is not _BF16
+            or not (x.is_cpu and weight.is_cpu)
+            or not x.is_contiguous() or not weight.is_contiguous()):
+        return rms_norm_ref(x, weight, eps)
+    n = weight.numel()
+    if n == 0 or x.shape[-1] != n:
+        return rms_norm_ref(x, weight, eps)
+    rows = x.numel() // n
+    y = torch.empty_like(x)  # contiguous, like x (faster than torch.empty(shape))
+    rc = lib.rms_norm(x.data_ptr(), None, weight.data_ptr(), y.data_ptr(), None, rows, n, eps,
+                      lib.lanes, torch.get_num_threads() if rows > _PAR_ROWS else 1)
+    if rc != 0:
+        return rms_norm_ref(x, weight, eps)
+    return y
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm_ref` in one call: ``(rms_norm(x + residual), x + residual)``.
+    x, residual ``[..., hidden]`` of the same shape and weight ``[hidden]``: CPU bf16,
+    contiguous (otherwise the reference runs)."""
+    lib = _lib()
+    if (lib is None or x.dtype is not _BF16 or residual.dtype is not _BF16
+            or weight.dtype is not _BF16 or not (x.is_cpu and residual.is_cpu and weight.is_cpu)
+            or not x.is_contiguous() or not residual.is_contiguous()
+            or not weight.is_contiguous()):
+        return add_rms_norm_ref(x, residual, weight, eps)
+    n = weight.numel()
+    if n == 0 or x.shape[-1] != n or residual.shape != x.shape:
+        return add_rms_norm_ref(x, residual, weight, eps)
+    rows = x.numel() // n
+    y = torch.empty_like(x)
+    r = torch.empty_like(x)
+    rc = lib.rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                      r.data_ptr(), rows, n, eps, lib.lanes,
+                      torch.get_num_threads() if rows > _PAR_ROWS else 1)
+    if rc != 0:
+        return add_rms_norm_ref(x, residual, weight, eps)
+    return y, r
+
+
+def rope_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rope_neox_ref` in place on x; returns x.
+
+    x ``[rows, heads, d]`` CPU bf16 with ``stride(2) == 1`` and any row/head strides (e.g.
+    ``qkv[:, :q + k].view(rows, heads, d)`` of a ``[rows, q + 2 kv]`` matrix); cos and sin
+    ``[rows, d]`` or ``[rows, 1, d]``, contiguous bf16. Other layouts/dtypes are computed
+    with the reference and copied back."""
+    lib = _lib()
+    if lib is not None and x.dtype is _BF16 and cos.dtype is _BF16 and sin.dtype is _BF16 \
+            and x.is_cpu and cos.is_cpu and sin.is_cpu and x.dim() == 3 \
+            and cos.is_contiguous() and sin.is_contiguous():
+        rows, heads, d = x.shape
+        s_row, s_head, s_el = x.stride()
+        if s_el == 1 and cos.numel() == rows * d and sin.numel() == rows * d:
+            rc = lib.rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, d, s_row,
+                          s_head, torch.get_num_threads() if rows > _PAR_ROWS else 1)
+            if rc == 0:
+                return x
+    return x.copy_(rope_neox_ref(x, cos, sin))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_mul_ref` in one call. gate_up ``[..., 2 * inter]``: CPU bf16, contiguous
+    (otherwise the reference runs); returns ``[..., inter]``."""
+    lib = _lib()
+    if (lib is None or gate_up.dtype is not _BF16 or not gate_up.is_cpu
+            or not gate_up.is_contiguous()):
+        return silu_mul_ref(gate_up)
+    shape = gate_up.shape
+    inter = shape[-1] // 2
+    if inter == 0 or shape[-1] & 1:
+        return silu_mul_ref(gate_up)
+    rows = gate_up.numel() // (2 * inter)
+    y = torch.empty(rows, inter, dtype=_BF16)
+    rc = lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), rows, inter, lib.vec_block,
+                      torch.get_num_threads() if rows > _PAR_ROWS else 1)
+    if rc != 0:
+        return silu_mul_ref(gate_up)
+    return y if len(shape) == 2 else y.view(*shape[:-1], inter)
