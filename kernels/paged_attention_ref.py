@@ -11,7 +11,8 @@ where index 0 is K and 1 is V. A token at position ``p`` of a sequence lives in 
 The torch path is also the CPU runtime, so the per-step work (which tokens attend to which
 slots, the masks) is planned once per step in :func:`plan_attention` and reused by every
 layer; each layer then does one gather of K/V and one ``scaled_dot_product_attention`` per
-group of sequences.
+group of sequences. A bf16 step in which every sequence decodes one token goes to the C kernel
+``kernels.cpu_attention.decode_attention`` (tested against its own torch reference).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cpu_attention
 
 # Sequences with at most this many new tokens are padded into one batched group;
 # longer ones (prefill chunks) are attended one by one.
@@ -53,6 +56,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     block_size: int
     groups: tuple[AttentionGroup, ...]  # the torch path's plan
+    seq_lens_t: torch.Tensor  # [num_seqs] int32, for kernels
+    decode_only: bool  # every sequence has exactly one new token
 
     @property
     def num_tokens(self) -> int:
@@ -153,6 +158,8 @@ def build_metadata(
         block_tables=block_tables,
         block_size=block_size,
         groups=plan_attention(query_start_loc, seq_lens, block_tables, block_size),
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32),
+        decode_only=query_start_loc[-1] == len(seq_lens),
     )
 
 
@@ -230,6 +237,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each sequence's new tokens over its cached context (reference path)."""
+    if meta.decode_only and query.dtype == torch.bfloat16 and cpu_attention.available():
+        # query is a strided view into the fused qkv output: the kernel wants it packed
+        return cpu_attention.decode_attention(query.contiguous(), kv_cache, meta.block_tables,
+                                              meta.seq_lens_t, scale)
     kv_flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, kv_heads, head_dim]
     if len(meta.groups) == 1 and meta.groups[0].token_rows is None:
         group = meta.groups[0]

@@ -64,3 +64,24 @@ def test_fused_layer_ops_are_bit_equal_to_torch_ops_in_bf16():
                 logits.append(model.compute_logits(hidden))
         outs.append(torch.cat(logits))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(not cpu_fused.available(), reason="CPU kernels not built here")
+def test_bf16_batched_decode_uses_the_attention_kernel_not_its_slow_fallback(
+        tiny_model_dir, monkeypatch):
+    """The query reaching attention is a strided view of the qkv output; it must still take
+    the C kernel (a silent fallback to the per-sequence reference cost 2x step time)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from kernels import cpu_attention
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decode attention fell back to the torch reference")
+
+    monkeypatch.setattr(cpu_attention, "decode_attention_ref", refuse)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16",
+                                    speculation="off", num_kv_blocks=64), progress=False)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = engine.generate(["one", "two three", "four five six"], params)
+    assert [len(o.token_ids) for o in outs] == [4, 4, 4]

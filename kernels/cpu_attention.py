@@ -1,0 +1,191 @@
+"""Single-query (decode) attention over a paged bf16 KV cache: a whole batch in one C call.
+
+``cpu_attention.c`` walks each sequence's block table directly (no gather of K/V), handles
+all query heads of a kv-head group together (GQA: each K/V row is read once per group), and
+uses an online softmax in fp32 over chunks of positions. It is built with gcc on first use
+into ``$QUICKDRAFT_CACHE/kernels`` (default ``~/.cache/quickdraft/kernels``), keyed by a hash
+of the source and flags, and loaded with ctypes. Without gcc, AVX2/FMA or on a failed build,
+:func:`available` is False and :func:`decode_attention` runs :func:`decode_attention_ref`.
+
+Cache layout as in :mod:`kernels.paged_attention_ref`:
+``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V); position
+``p`` of sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
+``p % block_size``.
+
+:func:`decode_attention` is called once per layer per step, so it checks only what is cheap
+(dtypes, ``is_cpu``, contiguity, ranks and shapes); anything else runs the reference. The C
+side also checks block ids against ``num_blocks`` and ``1 <= seq_lens[s] <= max_blocks *
+block_size``; a violation falls back to the reference too (which then raises or returns
+NaN for an empty context).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from kernels.cpu_gemv import cache_dir
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_attention.c")
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+_CPU_FLAGS = frozenset({"avx2", "fma"})
+_BF16 = torch.bfloat16
+_I32 = torch.int32
+# The C side takes at most this many (query heads per kv head) * head_dim, 64 heads per group.
+_MAX_GD = 8192
+_MAX_GROUP = 64
+
+_vp = ctypes.c_void_p
+_int = ctypes.c_int
+
+
+class _Lib(NamedTuple):
+    decode: Callable[..., int]
+    dll: ctypes.CDLL
+
+
+def _cpu_supported() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split()) >= _CPU_FLAGS
+    return False
+
+
+def _build(source: bytes, cc: str) -> Path:
+    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    out_dir = cache_dir()
+    target = out_dir / f"cpu_attention-{digest}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".cpu_attention-", suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        # The source goes through stdin so that what is built is exactly what was hashed.
+        subprocess.run([cc, *_CFLAGS, "-o", tmp, "-x", "c", "-", "-lm"], input=source,
+                       check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    for stale in out_dir.glob("cpu_attention-*.so"):  # older builds of an edited source
+        if stale != target:
+            with contextlib.suppress(OSError):
+                stale.unlink()
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> _Lib | None:
+    """Build (if needed) and load the kernel; None, with one warning, when impossible."""
+    try:
+        if not _cpu_supported():
+            log.warning("cpu_attention: CPU lacks AVX2/FMA; using torch ops")
+            return None
+        cc = shutil.which("gcc")
+        if cc is None:
+            log.warning("cpu_attention: gcc not found; using torch ops")
+            return None
+        path = _build(_SOURCE.read_bytes(), cc)
+        # CDLL: the GIL is released during calls; libgomp resolves to torch's (one pool).
+        lib = ctypes.CDLL(str(path))
+        fn = lib.qd_decode_attention_bf16
+        fn.argtypes = [_vp] * 5 + [_int] * 7 + [ctypes.c_float, _int]
+        fn.restype = _int
+        return _Lib(fn, lib)
+    except subprocess.CalledProcessError as e:
+        log.warning("cpu_attention: build failed, using torch ops:\n%s",
+                    e.stderr.decode(errors="replace"))
+    except Exception as e:
+        log.warning("cpu_attention: unavailable (%s: %s); using torch ops", type(e).__name__, e)
+    return None
+
+
+def available() -> bool:
+    """True when the kernel is built, loaded and the CPU can run it. Never raises."""
+    try:
+        return _lib() is not None
+    except Exception:
+        return False
+
+
+def decode_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The semantics: for sequence s and head h (kv head ``h // (heads // kv_heads)``),
+    ``softmax(scale * q K^T) V`` over positions ``[0, seq_lens[s])`` in fp32, returned in
+    ``query.dtype``. Shapes as in :func:`decode_attention`."""
+    num_seqs, heads, dim = query.shape
+    block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = heads // kv_heads
+    kv_flat = kv_cache.reshape(2, -1, kv_heads, dim)  # [2, slots, kv_heads, d]
+    out = torch.empty(num_seqs, heads, dim, dtype=query.dtype)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    for s in range(num_seqs):
+        ctx = int(seq_lens[s])
+        n_blocks = -(-ctx // block_size)
+        blocks = block_tables[s, :n_blocks].to(torch.int64)
+        slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:ctx]
+        k = kv_flat[0, slots].float().repeat_interleave(group, dim=1)  # [ctx, H, d]
+        v = kv_flat[1, slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", query[s].float(), k) * scale
+        out[s] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(query.dtype)
+    return out
+
+
+def decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] bf16
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] bf16
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new token
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] bf16
+    """:func:`decode_attention_ref` in one C call (one new token per sequence, whose K/V is
+    already in the cache). All tensors CPU and contiguous, query/kv_cache bf16, block_tables
+    and seq_lens int32, ``head_dim % 8 == 0``; otherwise the reference runs."""
+    lib = _lib()
+    if (lib is None or query.dtype is not _BF16 or kv_cache.dtype is not _BF16
+            or block_tables.dtype is not _I32 or seq_lens.dtype is not _I32
+            or not (query.is_cpu and kv_cache.is_cpu and block_tables.is_cpu and seq_lens.is_cpu)
+            or not query.is_contiguous() or not kv_cache.is_contiguous()
+            or not block_tables.is_contiguous() or not seq_lens.is_contiguous()
+            or query.dim() != 3 or kv_cache.dim() != 5 or block_tables.dim() != 2):
+        return decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale)
+    num_seqs, heads, dim = query.shape
+    _, num_blocks, block_size, kv_heads, kv_dim = kv_cache.shape
+    max_blocks = block_tables.shape[1]
+    if (kv_dim != dim or dim % 8 or kv_heads == 0 or heads % kv_heads
+            or heads // kv_heads > _MAX_GROUP or heads // kv_heads * dim > _MAX_GD
+            or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,)
+            or num_seqs == 0 or max_blocks == 0 or num_blocks == 0):
+        return decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(query)
+    rc = lib.decode(query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
+                    seq_lens.data_ptr(), out.data_ptr(), num_seqs, heads, kv_heads, dim,
+                    block_size, num_blocks, max_blocks, scale,
+                    torch.get_num_threads() if num_seqs * kv_heads >= 4 else 1)
+    if rc != 0:
+        return decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale)
+    return out
