@@ -21,22 +21,16 @@ NaN for an empty context).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from kernels.cpu_gemv import cache_dir
+from kernels import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -59,64 +53,23 @@ class _Lib(NamedTuple):
 
 
 def _cpu_supported() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split()) >= _CPU_FLAGS
-    return False
+    return cbuild.cpu_has(_CPU_FLAGS)
 
 
 def _build(source: bytes, cc: str) -> Path:
-    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    out_dir = cache_dir()
-    target = out_dir / f"cpu_attention-{digest}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_attention-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        # The source goes through stdin so that what is built is exactly what was hashed.
-        subprocess.run([cc, *_CFLAGS, "-o", tmp, "-x", "c", "-", "-lm"], input=source,
-                       check=True, capture_output=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    for stale in out_dir.glob("cpu_attention-*.so"):  # older builds of an edited source
-        if stale != target:
-            with contextlib.suppress(OSError):
-                stale.unlink()
-    return target
+    return cbuild.build("cpu_attention", source, _CFLAGS, cc)
 
 
 @functools.lru_cache(maxsize=1)
 def _lib() -> _Lib | None:
     """Build (if needed) and load the kernel; None, with one warning, when impossible."""
-    try:
-        if not _cpu_supported():
-            log.warning("cpu_attention: CPU lacks AVX2/FMA; using torch ops")
-            return None
-        cc = shutil.which("gcc")
-        if cc is None:
-            log.warning("cpu_attention: gcc not found; using torch ops")
-            return None
-        path = _build(_SOURCE.read_bytes(), cc)
-        # CDLL: the GIL is released during calls; libgomp resolves to torch's (one pool).
-        lib = ctypes.CDLL(str(path))
-        fn = lib.qd_decode_attention_bf16
-        fn.argtypes = [_vp] * 5 + [_int] * 7 + [ctypes.c_float, _int]
-        fn.restype = _int
-        return _Lib(fn, lib)
-    except subprocess.CalledProcessError as e:
-        log.warning("cpu_attention: build failed, using torch ops:\n%s",
-                    e.stderr.decode(errors="replace"))
-    except Exception as e:
-        log.warning("cpu_attention: unavailable (%s: %s); using torch ops", type(e).__name__, e)
-    return None
+    lib = cbuild.load("cpu_attention", _SOURCE, _CFLAGS, _CPU_FLAGS)
+    if lib is None:
+        return None
+    fn = lib.qd_decode_attention_bf16
+    fn.argtypes = [_vp] * 5 + [_int] * 7 + [ctypes.c_float, _int]
+    fn.restype = _int
+    return _Lib(fn, lib)
 
 
 def available() -> bool:

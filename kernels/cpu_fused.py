@@ -22,15 +22,9 @@ autograd (they are for inference: outputs have no ``grad_fn``) and, for the in-p
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -38,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemv import cache_dir
+from kernels import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -66,38 +60,11 @@ class _Lib(NamedTuple):
 
 
 def _cpu_supported() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split()) >= _CPU_FLAGS
-    return False
+    return cbuild.cpu_has(_CPU_FLAGS)
 
 
 def _build(source: bytes, cc: str) -> Path:
-    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    out_dir = cache_dir()
-    target = out_dir / f"cpu_fused-{digest}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_fused-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        # The source goes through stdin so that what is built is exactly what was hashed.
-        subprocess.run([cc, *_CFLAGS, "-o", tmp, "-x", "c", "-", "-lm"], input=source,
-                       check=True, capture_output=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    for stale in out_dir.glob("cpu_fused-*.so"):  # older builds of an edited source
-        if stale != target:
-            with contextlib.suppress(OSError):
-                stale.unlink()
-    return target
+    return cbuild.build("cpu_fused", source, _CFLAGS, cc)
 
 
 def _torch_vector_widths() -> tuple[int, int]:
@@ -115,34 +82,20 @@ def _torch_vector_widths() -> tuple[int, int]:
 @functools.lru_cache(maxsize=1)
 def _lib() -> _Lib | None:
     """Build (if needed) and load the kernels; None, with one warning, when impossible."""
-    try:
-        if not _cpu_supported():
-            log.warning("cpu_fused: CPU lacks AVX2/FMA/F16C; using torch ops")
-            return None
-        cc = shutil.which("gcc")
-        if cc is None:
-            log.warning("cpu_fused: gcc not found; using torch ops")
-            return None
-        path = _build(_SOURCE.read_bytes(), cc)
-        # CDLL: the GIL is released during calls; libgomp resolves to torch's (one pool).
-        lib = ctypes.CDLL(str(path))
-        rms = lib.qd_rms_norm_bf16
-        rms.argtypes = [_vp] * 5 + [_int, _int, ctypes.c_float, _int, _int]
-        rms.restype = _int
-        rope = lib.qd_rope_neox_bf16
-        rope.argtypes = [_vp] * 3 + [_int] * 3 + [ctypes.c_longlong] * 2 + [_int]
-        rope.restype = _int
-        silu = lib.qd_silu_mul_bf16
-        silu.argtypes = [_vp, _vp, _int, _int, _int, _int]
-        silu.restype = _int
-        lanes, vec_block = _torch_vector_widths()
-        return _Lib(rms, rope, silu, lanes, vec_block, lib)
-    except subprocess.CalledProcessError as e:
-        log.warning("cpu_fused: build failed, using torch ops:\n%s",
-                    e.stderr.decode(errors="replace"))
-    except Exception as e:
-        log.warning("cpu_fused: unavailable (%s: %s); using torch ops", type(e).__name__, e)
-    return None
+    lib = cbuild.load("cpu_fused", _SOURCE, _CFLAGS, _CPU_FLAGS)
+    if lib is None:
+        return None
+    rms = lib.qd_rms_norm_bf16
+    rms.argtypes = [_vp] * 5 + [_int, _int, ctypes.c_float, _int, _int]
+    rms.restype = _int
+    rope = lib.qd_rope_neox_bf16
+    rope.argtypes = [_vp] * 3 + [_int] * 3 + [ctypes.c_longlong] * 2 + [_int]
+    rope.restype = _int
+    silu = lib.qd_silu_mul_bf16
+    silu.argtypes = [_vp, _vp, _int, _int, _int, _int]
+    silu.restype = _int
+    lanes, vec_block = _torch_vector_widths()
+    return _Lib(rms, rope, silu, lanes, vec_block, lib)
 
 
 def available() -> bool:

@@ -11,20 +11,16 @@ ctypes. Without gcc, AVX2/FMA/F16C or on a failed build, :func:`available` is Fa
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kernels import cbuild
 
 log = logging.getLogger(__name__)
 
@@ -37,73 +33,24 @@ _CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _BF16 = torch.bfloat16
 
 
-def cache_dir() -> Path:
-    """Built kernels: ``$QUICKDRAFT_CACHE/kernels``, else ``~/.cache/quickdraft/kernels``."""
-    root = os.environ.get("QUICKDRAFT_CACHE") or Path.home() / ".cache" / "quickdraft"
-    return Path(root) / "kernels"
-
-
 def _cpu_supported() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split()) >= _CPU_FLAGS
-    return False
+    return cbuild.cpu_has(_CPU_FLAGS)
 
 
 def _build(source: bytes, cc: str) -> Path:
-    digest = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    out_dir = cache_dir()
-    target = out_dir / f"cpu_gemv-{digest}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".cpu_gemv-", suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        # The source goes through stdin so that what is built is exactly what was hashed.
-        subprocess.run([cc, *_CFLAGS, "-o", tmp, "-x", "c", "-"], input=source, check=True,
-                       capture_output=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    for stale in out_dir.glob("cpu_gemv-*.so"):  # builds of older sources (unlinking is safe
-        if stale != target:                      # even if another process has one loaded)
-            with contextlib.suppress(OSError):
-                stale.unlink()
-    return target
+    return cbuild.build("cpu_gemv", source, _CFLAGS, cc)
 
 
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Callable[..., int] | None:
-    """Build (if needed) and load the kernel: the ctypes function ``qd_linear_bf16``; None,
-    with one warning, when that is impossible."""
-    try:
-        if not _cpu_supported():
-            log.warning("cpu_gemv: CPU lacks AVX2/FMA/F16C; using F.linear")
-            return None
-        cc = shutil.which("gcc")
-        if cc is None:
-            log.warning("cpu_gemv: gcc not found; using F.linear")
-            return None
-        path = _build(_SOURCE.read_bytes(), cc)
-        # CDLL (not PyDLL): the GIL is released during the call. torch is already imported,
-        # so the library's libgomp.so.1 resolves to torch's and both share one thread pool.
-        lib = ctypes.CDLL(str(path))
-        fn = lib.qd_linear_bf16
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-        fn.restype = ctypes.c_int
-        return fn
-    except subprocess.CalledProcessError as e:
-        log.warning("cpu_gemv: build failed, using F.linear:\n%s",
-                    e.stderr.decode(errors="replace"))
-    except Exception as e:
-        log.warning("cpu_gemv: unavailable (%s: %s); using F.linear", type(e).__name__, e)
-    return None
+    """The ctypes function ``qd_linear_bf16``, or None when the kernel cannot be had."""
+    lib = cbuild.load("cpu_gemv", _SOURCE, _CFLAGS, _CPU_FLAGS)
+    if lib is None:
+        return None
+    fn = lib.qd_linear_bf16
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def available() -> bool:
