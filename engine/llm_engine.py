@@ -185,13 +185,13 @@ class LLMEngine:
         detok = self._detokenizers[request.request_id]
         delta = detok.add_tokens(update.new_token_ids) if update.new_token_ids else None
         text = delta.text if delta else ""
-        if delta is not None and delta.stop_str is not None and not update.finished:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            request.stop_reason = delta.stop_str
-            return self._final_output(request, text, update.new_token_ids)
-        if update.finished:
-            if delta is not None and delta.stop_str is not None:
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, delta.stop_str
+        stop = delta.stop_str if delta is not None else None
+        if stop is not None:  # a stop string ends the request whatever the tokens said
+            if not update.finished:
+                self.scheduler.finish_requests([request.request_id],
+                                               RequestStatus.FINISHED_STOPPED)
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if update.finished or stop is not None:
             return self._final_output(request, text, update.new_token_ids)
         if not text and not update.new_token_ids:
             return None
