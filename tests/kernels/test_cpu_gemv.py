@@ -135,19 +135,6 @@ def test_unavailable_falls_back(monkeypatch):
 
 
 @needs_kernel
-def test_build_into_fresh_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path))
-    src = cpu_gemv._SOURCE.read_bytes()
-    path = cpu_gemv._build(src, shutil.which("gcc"))
-    assert path.parent == tmp_path / "kernels" and path.exists()
-    assert cpu_gemv._build(src, shutil.which("gcc")) == path  # cached
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [path.name]  # no temp left
-    new = cpu_gemv._build(src + b"\n/* edited */\n", shutil.which("gcc"))
-    assert new != path  # an edited source gets a new library; the stale one is removed
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [new.name]
-
-
-@needs_kernel
 def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path, caplog):
     bad = tmp_path / "bad.c"
     bad.write_text("this is not C\n")
