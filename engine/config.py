@@ -31,7 +31,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch (the Triton backend arrives with the GPU path)
     speculation: str = "ngram"  # off | ngram (draft / combined: with the draft-model proposer)
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2
@@ -53,8 +53,9 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ConfigError("attention_backend must be auto, torch or triton")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ConfigError(f"attention_backend must be auto or torch, got "
+                              f"{self.attention_backend!r}")
         if self.speculation not in ("off", "ngram"):
             raise ConfigError(f"speculation must be off or ngram, got {self.speculation!r}")
         if not 1 <= self.num_speculative_tokens <= 16:

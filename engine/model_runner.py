@@ -44,9 +44,9 @@ class RunnerOutput:
 
 
 def select_attention_backend(name: str) -> ModuleType:
-    """The torch reference everywhere for now; the Triton path plugs in behind this interface."""
-    if name == "triton":
-        raise ValueError("the triton attention backend is not available in this build")
+    """``auto`` and ``torch`` both mean the torch path (with its CPU kernels) today; a Triton
+    backend will plug in behind the same module interface (write_kv, paged_attention,
+    build_metadata)."""
     return paged_attention_ref
 
 
