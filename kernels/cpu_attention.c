@@ -1,19 +1,26 @@
-/* Single-query (decode) attention over a paged bf16 KV cache, a whole batch in one call.
+/* Attention of ragged query tokens over a paged bf16 KV cache, a whole batch in one call.
  *
  * Plain C (no torch headers), loaded with ctypes by kernels/cpu_attention.py; needs AVX2 +
  * FMA (the Python side checks the CPU flags). Cache layout (see paged_attention_ref.py):
  * kv[2][num_blocks][block_size][num_kv_heads][head_dim], 0 = K, 1 = V; position p of sequence
  * s lives in block block_tables[s][p / block_size] at offset p % block_size.
  *
- * One task per (sequence, kv head): the G = num_heads / num_kv_heads query heads sharing that
- * kv head are processed together, so each K/V row is read once per group. Positions are
- * walked in chunks of QD_CHUNK with an online softmax (running max and sum per head; the
- * accumulator is rescaled once per chunk), so no [ctx] buffer is needed. All math is fp32
- * (bf16 -> fp32 by shift; q is pre-multiplied by scale), the output is rounded to bf16
+ * Sequence s owns query rows [qsl[s], qsl[s+1]) (q_len of them) and has context length
+ * L = seq_lens[s] (including its new tokens); its token i (0-based) attends positions
+ * [0, L - q_len + i] (causal). Decode is the case q_len = 1 for every sequence (qsl = NULL).
+ *
+ * One task per (query token, kv head): the G = num_heads / num_kv_heads query heads sharing
+ * that kv head are processed together, so each K/V row is read once per group. A task sees
+ * only its own token's visible context ctx = L - q_len + i + 1, so its result is the same
+ * bits whatever else is in the step (verifying k+1 tokens == decoding them one at a time).
+ * Positions are walked in chunks of QD_CHUNK with an online softmax (running max and sum per
+ * head; the accumulator is rescaled once per chunk), so no [ctx] buffer is needed. All math is
+ * fp32 (bf16 -> fp32 by shift; q is pre-multiplied by scale), the output is rounded to bf16
  * (round-to-nearest-even). exp is a Cephes-style polynomial (rel. error ~1e-7).
  *
  * Tasks run on OpenMP threads only when there is enough work (QD_PAR_TASKS tasks and more
- * than QD_PAR_CTX positions in total): waking the pool costs ~10+ us.
+ * than QD_PAR_CTX visible positions in total): waking the pool costs ~10+ us. Threading never
+ * changes a task's arithmetic.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -94,15 +101,31 @@ typedef struct {
     const uint16_t* v;         /* kv[1] */
     const int32_t* block_tables;
     const int32_t* seq_lens;
+    const int32_t* qsl;        /* [num_seqs + 1], or NULL: token t is sequence t's only one */
     uint16_t* out;
-    int heads, kv_heads, d, block_size, num_blocks, max_blocks;
+    int heads, kv_heads, d, block_size, num_blocks, max_blocks, num_seqs;
     float scale;
 } Args;
 
-/* One (sequence, kv head) task. Returns QD_OK or an error code (nothing else is touched). */
-static QD_TARGET int attend_one(const Args* a, int s, int kvh) {
+/* The sequence owning query row t: the last s with qsl[s] <= t (empty sequences skipped). */
+static int seq_of_token(const Args* a, int t) {
+    if (a->qsl == NULL) return t;
+    int lo = 0, hi = a->num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (a->qsl[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* One (query token t, kv head) task. Returns QD_OK or an error code (nothing else is
+ * touched). */
+static QD_TARGET int attend_one(const Args* a, int t, int kvh) {
     const int D = a->d, G = a->heads / a->kv_heads, bs = a->block_size;
-    const int ctx = a->seq_lens[s];
+    const int s = seq_of_token(a, t);
+    /* visible context of token i = t - qsl[s] of a sequence with q_len tokens */
+    const int ctx = a->qsl == NULL ? a->seq_lens[s]
+                                   : a->seq_lens[s] - (a->qsl[s + 1] - t) + 1;
     if (ctx <= 0 || (long long)ctx > (long long)a->max_blocks * bs) return QD_ELEN;
     const int32_t* table = a->block_tables + (size_t)s * a->max_blocks;
     const size_t row_stride = (size_t)a->kv_heads * D;          /* between positions */
@@ -115,7 +138,7 @@ static QD_TARGET int attend_one(const Args* a, int s, int kvh) {
     const uint16_t* krow[QD_CHUNK];
     const uint16_t* vrow[QD_CHUNK];
 
-    const uint16_t* qsrc = a->q + ((size_t)s * a->heads + (size_t)kvh * G) * D;
+    const uint16_t* qsrc = a->q + ((size_t)t * a->heads + (size_t)kvh * G) * D;
     const __m256 vscale = _mm256_set1_ps(a->scale);
     for (int i = 0; i < G * D; i += 8) {
         _mm256_store_ps(qs + i, _mm256_mul_ps(load_bf16(qsrc + i), vscale));
@@ -233,7 +256,7 @@ static QD_TARGET int attend_one(const Args* a, int s, int kvh) {
         }
     }
 
-    uint16_t* dst = a->out + ((size_t)s * a->heads + (size_t)kvh * G) * D;
+    uint16_t* dst = a->out + ((size_t)t * a->heads + (size_t)kvh * G) * D;
     for (int g = 0; g < G; ++g) {
         const float inv = 1.0f / l[g];
         for (int dd = 0; dd < D; ++dd) dst[g * D + dd] = f32_to_bf16(acc[g * D + dd] * inv);
@@ -241,26 +264,41 @@ static QD_TARGET int attend_one(const Args* a, int s, int kvh) {
     return QD_OK;
 }
 
-/* out[num_seqs][heads][d] = softmax(scale q K^T) V per (sequence, head); see the header.
- * nthreads: the thread count to use when the work is large enough (<= 0: OpenMP's default).
- * Returns 0, or a negative code (bad arguments, block id out of range, bad seq_len); on an
- * error the output is unspecified. */
-int qd_decode_attention_bf16(const void* q, const void* kv, const int32_t* block_tables,
-                             const int32_t* seq_lens, void* out, int num_seqs, int heads,
-                             int kv_heads, int d, int block_size, int num_blocks, int max_blocks,
-                             float scale, int nthreads) {
-    if (num_seqs < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || d <= 0 || d % 8
-        || block_size <= 0 || num_blocks <= 0 || max_blocks <= 0)
+/* out[num_tokens][heads][d] = causal softmax(scale q K^T) V per (query token, head); see the
+ * header. query_start_loc: int32 [num_seqs + 1] (0, nondecreasing, ending at num_tokens), or
+ * NULL for decode (num_tokens == num_seqs, one token each). nthreads: the thread count to use
+ * when the work is large enough (<= 0: OpenMP's default). Returns 0, or a negative code (bad
+ * arguments, block id out of range, bad seq_len / q_len); on an error the output is
+ * unspecified. */
+int qd_ragged_attention_bf16(const void* q, const void* kv, const int32_t* block_tables,
+                             const int32_t* seq_lens, const int32_t* query_start_loc, void* out,
+                             int num_seqs, int num_tokens, int heads, int kv_heads, int d,
+                             int block_size, int num_blocks, int max_blocks, float scale,
+                             int nthreads) {
+    if (num_seqs < 0 || num_tokens < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads
+        || d <= 0 || d % 8 || block_size <= 0 || num_blocks <= 0 || max_blocks <= 0)
         return QD_EARG;
     const int G = heads / kv_heads;
     if (G > 64 || G * d > QD_MAX_GD) return QD_EARG;
+    /* work in visible positions; the query layout is checked here, contexts per task */
+    long long total = 0;
+    if (query_start_loc == NULL) {
+        if (num_tokens != num_seqs) return QD_EARG;
+        for (int s = 0; s < num_seqs; ++s) total += seq_lens[s];
+    } else {
+        if (query_start_loc[0] != 0 || query_start_loc[num_seqs] != num_tokens) return QD_EARG;
+        for (int s = 0; s < num_seqs; ++s) {
+            const long long n = (long long)query_start_loc[s + 1] - query_start_loc[s];
+            if (n < 0) return QD_EARG;
+            if (n > seq_lens[s]) return QD_ELEN;
+            total += n * (seq_lens[s] - n) + n * (n + 1) / 2;
+        }
+    }
     const size_t kv_half = (size_t)num_blocks * block_size * kv_heads * d;
     Args a = {(const uint16_t*)q, (const uint16_t*)kv, (const uint16_t*)kv + kv_half,
-              block_tables, seq_lens, (uint16_t*)out, heads, kv_heads, d, block_size,
-              num_blocks, max_blocks, scale};
-    const int tasks = num_seqs * kv_heads;
-    long long total = 0;
-    for (int s = 0; s < num_seqs; ++s) total += seq_lens[s];
+              block_tables, seq_lens, query_start_loc, (uint16_t*)out, heads, kv_heads, d,
+              block_size, num_blocks, max_blocks, num_seqs, scale};
+    const int tasks = num_tokens * kv_heads;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     if (tasks < QD_PAR_TASKS || total <= QD_PAR_CTX) nthreads = 1;
     if (nthreads > tasks) nthreads = tasks;
@@ -279,4 +317,14 @@ int qd_decode_attention_bf16(const void* q, const void* kv, const int32_t* block
         }
     }
     return err;
+}
+
+/* Decode (one query token per sequence): the q_len = 1 case of qd_ragged_attention_bf16. */
+int qd_decode_attention_bf16(const void* q, const void* kv, const int32_t* block_tables,
+                             const int32_t* seq_lens, void* out, int num_seqs, int heads,
+                             int kv_heads, int d, int block_size, int num_blocks, int max_blocks,
+                             float scale, int nthreads) {
+    return qd_ragged_attention_bf16(q, kv, block_tables, seq_lens, NULL, out, num_seqs, num_seqs,
+                                    heads, kv_heads, d, block_size, num_blocks, max_blocks,
+                                    scale, nthreads);
 }

@@ -1,22 +1,30 @@
-"""Single-query (decode) attention over a paged bf16 KV cache: a whole batch in one C call.
+"""Attention of ragged query tokens over a paged bf16 KV cache: a whole batch in one C call.
 
 ``cpu_attention.c`` walks each sequence's block table directly (no gather of K/V), handles
 all query heads of a kv-head group together (GQA: each K/V row is read once per group), and
 uses an online softmax in fp32 over chunks of positions. It is built with gcc on first use
 into ``$QUICKDRAFT_CACHE/kernels`` (default ``~/.cache/quickdraft/kernels``), keyed by a hash
 of the source and flags, and loaded with ctypes. Without gcc, AVX2/FMA or on a failed build,
-:func:`available` is False and :func:`decode_attention` runs :func:`decode_attention_ref`.
+:func:`available` is False and the entry points run their torch references.
+
+:func:`ragged_attention` takes any number of new tokens per sequence (a decode token, k+1
+speculative-verification tokens, a short prefill chunk), attending causally; each (token, kv
+head) is computed by the same code as a lone decode query over that token's visible context,
+so in bf16 verifying k+1 tokens gives bit-identical results to decoding them one at a time
+(and a token's result never depends on the rest of the batch or the thread count).
+:func:`decode_attention` is its one-token-per-sequence case.
 
 Cache layout as in :mod:`kernels.paged_attention_ref`:
 ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V); position
 ``p`` of sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
 ``p % block_size``.
 
-:func:`decode_attention` is called once per layer per step, so it checks only what is cheap
+The entry points are called once per layer per step, so they check only what is cheap
 (dtypes, ``is_cpu``, contiguity, ranks and shapes); anything else runs the reference. The C
-side also checks block ids against ``num_blocks`` and ``1 <= seq_lens[s] <= max_blocks *
-block_size``; a violation falls back to the reference too (which then raises or returns
-NaN for an empty context).
+side also checks block ids against ``num_blocks``, the query layout (``query_start_loc``
+starts at 0, never decreases, ends at ``num_tokens``) and ``q_len <= seq_lens[s] <=
+max_blocks * block_size`` with a nonempty visible context; a violation falls back to the
+reference too (which then raises or returns garbage/NaN for an empty context).
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ _int = ctypes.c_int
 
 
 class _Lib(NamedTuple):
-    decode: Callable[..., int]
+    ragged: Callable[..., int]
     dll: ctypes.CDLL
 
 
@@ -66,8 +74,8 @@ def _lib() -> _Lib | None:
     lib = cbuild.load("cpu_attention", _SOURCE, _CFLAGS, _CPU_FLAGS)
     if lib is None:
         return None
-    fn = lib.qd_decode_attention_bf16
-    fn.argtypes = [_vp] * 5 + [_int] * 7 + [ctypes.c_float, _int]
+    fn = lib.qd_ragged_attention_bf16
+    fn.argtypes = [_vp] * 6 + [_int] * 8 + [ctypes.c_float, _int]
     fn.restype = _int
     return _Lib(fn, lib)
 
@@ -80,6 +88,42 @@ def available() -> bool:
         return False
 
 
+def ragged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The semantics: token ``i`` of sequence ``s`` (rows ``query_start_loc[s] ..
+    query_start_loc[s+1] - 1``, ``q_len`` of them) and head ``h`` (kv head ``h // (heads //
+    kv_heads)``) get ``softmax(scale * q K^T) V`` over positions ``[0, seq_lens[s] - q_len +
+    i]`` in fp32, returned in ``query.dtype``. Shapes as in :func:`ragged_attention`."""
+    num_tokens, heads, dim = query.shape
+    block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = heads // kv_heads
+    kv_flat = kv_cache.reshape(2, -1, kv_heads, dim)  # [2, slots, kv_heads, d]
+    out = torch.empty(num_tokens, heads, dim, dtype=query.dtype)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    qsl = [int(x) for x in query_start_loc]
+    for s in range(len(qsl) - 1):
+        start, end = qsl[s], qsl[s + 1]
+        if end <= start:
+            continue
+        ctx, q_len = int(seq_lens[s]), end - start
+        n_blocks = -(-ctx // block_size)
+        blocks = block_tables[s, :n_blocks].to(torch.int64)
+        slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:ctx]
+        k = kv_flat[0, slots].float().repeat_interleave(group, dim=1)  # [ctx, H, d]
+        v = kv_flat[1, slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->qhk", query[start:end].float(), k) * scale
+        q_pos = torch.arange(ctx - q_len, ctx)[:, None, None]  # [q, 1, 1]
+        scores.masked_fill_(torch.arange(ctx)[None, None, :] > q_pos, float("-inf"))
+        out[start:end] = torch.einsum("qhk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out
+
+
 def decode_attention_ref(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -90,21 +134,69 @@ def decode_attention_ref(
     """The semantics: for sequence s and head h (kv head ``h // (heads // kv_heads)``),
     ``softmax(scale * q K^T) V`` over positions ``[0, seq_lens[s])`` in fp32, returned in
     ``query.dtype``. Shapes as in :func:`decode_attention`."""
-    num_seqs, heads, dim = query.shape
-    block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = heads // kv_heads
-    kv_flat = kv_cache.reshape(2, -1, kv_heads, dim)  # [2, slots, kv_heads, d]
-    out = torch.empty(num_seqs, heads, dim, dtype=query.dtype)
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    for s in range(num_seqs):
-        ctx = int(seq_lens[s])
-        n_blocks = -(-ctx // block_size)
-        blocks = block_tables[s, :n_blocks].to(torch.int64)
-        slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:ctx]
-        k = kv_flat[0, slots].float().repeat_interleave(group, dim=1)  # [ctx, H, d]
-        v = kv_flat[1, slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,khd->hk", query[s].float(), k) * scale
-        out[s] = torch.einsum("hk,khd->hd", scores.softmax(-1), v).to(query.dtype)
+    qsl = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    return ragged_attention_ref(query, kv_cache, block_tables, seq_lens, qsl, scale)
+
+
+def _run(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor | None:
+    """The C call (``query_start_loc`` None: one token per sequence), or None when the inputs
+    are not the kernel's (the caller then runs its reference)."""
+    lib = _lib()
+    if (lib is None or query.dtype is not _BF16 or kv_cache.dtype is not _BF16
+            or block_tables.dtype is not _I32 or seq_lens.dtype is not _I32
+            or not (query.is_cpu and kv_cache.is_cpu and block_tables.is_cpu and seq_lens.is_cpu)
+            or not query.is_contiguous() or not kv_cache.is_contiguous()
+            or not block_tables.is_contiguous() or not seq_lens.is_contiguous()
+            or query.dim() != 3 or kv_cache.dim() != 5 or block_tables.dim() != 2):
+        return None
+    num_tokens, heads, dim = query.shape
+    _, num_blocks, block_size, kv_heads, kv_dim = kv_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    if (kv_dim != dim or dim % 8 or kv_heads == 0 or heads % kv_heads
+            or heads // kv_heads > _MAX_GROUP or heads // kv_heads * dim > _MAX_GD
+            or seq_lens.shape != (num_seqs,) or num_seqs == 0 or num_tokens == 0
+            or max_blocks == 0 or num_blocks == 0):
+        return None
+    qsl_ptr = None
+    if query_start_loc is None:
+        if num_tokens != num_seqs:
+            return None
+    elif (query_start_loc.dtype is not _I32 or not query_start_loc.is_cpu
+            or not query_start_loc.is_contiguous()
+            or query_start_loc.shape != (num_seqs + 1,)):
+        return None
+    else:
+        qsl_ptr = query_start_loc.data_ptr()
+    out = torch.empty_like(query)
+    rc = lib.ragged(query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
+                    seq_lens.data_ptr(), qsl_ptr, out.data_ptr(), num_seqs, num_tokens, heads,
+                    kv_heads, dim, block_size, num_blocks, max_blocks, scale,
+                    torch.get_num_threads() if num_tokens * kv_heads >= 4 else 1)
+    return out if rc == 0 else None
+
+
+def ragged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim] bf16
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, offsets of each sequence's tokens
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] bf16
+    """:func:`ragged_attention_ref` in one C call (the new tokens' K/V already in the cache).
+    All tensors CPU and contiguous, query/kv_cache bf16, block_tables, seq_lens and
+    query_start_loc int32, ``head_dim % 8 == 0``; otherwise the reference runs."""
+    out = _run(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+    if out is None:
+        return ragged_attention_ref(query, kv_cache, block_tables, seq_lens, query_start_loc,
+                                    scale)
     return out
 
 
@@ -116,29 +208,9 @@ def decode_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] bf16
     """:func:`decode_attention_ref` in one C call (one new token per sequence, whose K/V is
-    already in the cache). All tensors CPU and contiguous, query/kv_cache bf16, block_tables
-    and seq_lens int32, ``head_dim % 8 == 0``; otherwise the reference runs."""
-    lib = _lib()
-    if (lib is None or query.dtype is not _BF16 or kv_cache.dtype is not _BF16
-            or block_tables.dtype is not _I32 or seq_lens.dtype is not _I32
-            or not (query.is_cpu and kv_cache.is_cpu and block_tables.is_cpu and seq_lens.is_cpu)
-            or not query.is_contiguous() or not kv_cache.is_contiguous()
-            or not block_tables.is_contiguous() or not seq_lens.is_contiguous()
-            or query.dim() != 3 or kv_cache.dim() != 5 or block_tables.dim() != 2):
-        return decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale)
-    num_seqs, heads, dim = query.shape
-    _, num_blocks, block_size, kv_heads, kv_dim = kv_cache.shape
-    max_blocks = block_tables.shape[1]
-    if (kv_dim != dim or dim % 8 or kv_heads == 0 or heads % kv_heads
-            or heads // kv_heads > _MAX_GROUP or heads // kv_heads * dim > _MAX_GD
-            or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,)
-            or num_seqs == 0 or max_blocks == 0 or num_blocks == 0):
-        return decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale)
-    out = torch.empty_like(query)
-    rc = lib.decode(query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
-                    seq_lens.data_ptr(), out.data_ptr(), num_seqs, heads, kv_heads, dim,
-                    block_size, num_blocks, max_blocks, scale,
-                    torch.get_num_threads() if num_seqs * kv_heads >= 4 else 1)
-    if rc != 0:
+    already in the cache): :func:`ragged_attention` with ``query_start_loc = arange``, same
+    code path and bits. Input rules as there; otherwise the reference runs."""
+    out = _run(query, kv_cache, block_tables, seq_lens, None, scale)
+    if out is None:
         return decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale)
     return out

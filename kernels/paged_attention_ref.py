@@ -11,8 +11,11 @@ where index 0 is K and 1 is V. A token at position ``p`` of a sequence lives in 
 The torch path is also the CPU runtime, so the per-step work (which tokens attend to which
 slots, the masks) is planned once per step in :func:`plan_attention` and reused by every
 layer; each layer then does one gather of K/V and one ``scaled_dot_product_attention`` per
-group of sequences. A bf16 step in which every sequence decodes one token goes to the C kernel
-``kernels.cpu_attention.decode_attention`` (tested against its own torch reference).
+group of sequences. A bf16 step in which every sequence has at most ``SMALL_QUERY_MAX`` new
+tokens (decode, k+1 verification, short chunks) goes to the C kernel
+``kernels.cpu_attention.ragged_attention`` (tested against its own torch reference); it
+computes each token exactly as a lone decode query, so verification is bit-identical to
+decoding the same tokens one at a time.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ class AttentionMetadata:
     block_size: int
     groups: tuple[AttentionGroup, ...]  # the torch path's plan
     seq_lens_t: torch.Tensor  # [num_seqs] int32, for kernels
-    decode_only: bool  # every sequence has exactly one new token
+    query_start_loc_t: torch.Tensor  # [num_seqs + 1] int32, for kernels
+    small_queries_only: bool  # every sequence has at most SMALL_QUERY_MAX new tokens
 
     @property
     def num_tokens(self) -> int:
@@ -159,7 +163,9 @@ def build_metadata(
         block_size=block_size,
         groups=plan_attention(query_start_loc, seq_lens, block_tables, block_size),
         seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32),
-        decode_only=query_start_loc[-1] == len(seq_lens),
+        query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32),
+        small_queries_only=all(query_start_loc[i + 1] - query_start_loc[i] <= SMALL_QUERY_MAX
+                               for i in range(len(seq_lens))),
     )
 
 
@@ -237,10 +243,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each sequence's new tokens over its cached context (reference path)."""
-    if meta.decode_only and query.dtype == torch.bfloat16 and cpu_attention.available():
+    if meta.small_queries_only and query.dtype == torch.bfloat16 and cpu_attention.available():
         # query is a strided view into the fused qkv output: the kernel wants it packed
-        return cpu_attention.decode_attention(query.contiguous(), kv_cache, meta.block_tables,
-                                              meta.seq_lens_t, scale)
+        return cpu_attention.ragged_attention(query.contiguous(), kv_cache, meta.block_tables,
+                                              meta.seq_lens_t, meta.query_start_loc_t, scale)
     kv_flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, kv_heads, head_dim]
     if len(meta.groups) == 1 and meta.groups[0].token_rows is None:
         group = meta.groups[0]

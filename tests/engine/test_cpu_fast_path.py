@@ -80,6 +80,7 @@ def test_bf16_batched_decode_uses_the_attention_kernel_not_its_slow_fallback(
         raise AssertionError("decode attention fell back to the torch reference")
 
     monkeypatch.setattr(cpu_attention, "decode_attention_ref", refuse)
+    monkeypatch.setattr(cpu_attention, "ragged_attention_ref", refuse)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16",
                                     speculation="off", num_kv_blocks=64), progress=False)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import shutil
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -160,3 +161,169 @@ def test_all_groupings_small() -> None:
         torch.testing.assert_close(
             cpu_attention.decode_attention(q, kv, bt, sl, 0.125).float(),
             cpu_attention.decode_attention_ref(q, kv, bt, sl, 0.125).float(), **TOL)
+
+
+# ------------------------------------------------------------------------------------------
+# Ragged queries (k+1 verification tokens, short prefill chunks): causal within the new tokens
+
+
+def _ragged_case(q_lens: list[int], seq_lens: list[int], block_size: int, heads: int,
+                 kv_heads: int, dim: int, seed: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor, list[list[int]]]:
+    """As :func:`_case`, with ``sum(q_lens)`` query rows and their ``query_start_loc``."""
+    _, kv, bt, sl, tables = _case(len(seq_lens), seq_lens, block_size, heads, kv_heads, dim,
+                                  seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(sum(q_lens), heads, dim, generator=g).to(BF16)
+    qsl = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    return query, kv, bt, sl, qsl, tables
+
+
+@needs_kernel
+@pytest.mark.parametrize("q_lens,ctx_extra", [
+    ([1, 5, 3, 1], [0, 0, 40, 700]),   # fresh prefill of 1 and 5, then longer contexts
+    ([1, 5, 3, 1], [300, 517, 0, 31]),
+    ([17], [0]),
+    ([17], [600]),
+    ([2, 2], [0, 95]),
+])
+@pytest.mark.parametrize("block_size", [1, 16, 5])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_ragged_matches_reference(q_lens: list[int], ctx_extra: list[int], block_size: int,
+                                  heads: int, kv_heads: int, dim: int) -> None:
+    lens = [q + c for q, c in zip(q_lens, ctx_extra, strict=True)]
+    q, kv, bt, sl, qsl, _ = _ragged_case(q_lens, lens, block_size, heads, kv_heads, dim,
+                                         seed=sum(lens) + block_size * 7 + heads + dim)
+    scale = 1 / math.sqrt(dim)
+    got = cpu_attention.ragged_attention(q, kv, bt, sl, qsl, scale)
+    want = cpu_attention.ragged_attention_ref(q, kv, bt, sl, qsl, scale)
+    assert got.dtype == BF16 and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want.float(), **TOL)
+
+
+@needs_kernel
+def test_ragged_agrees_with_naive_attention_and_empty_sequences() -> None:
+    """The engine's reference over a mixed step; a sequence with no new tokens is skipped."""
+    block_size, heads, kv_heads, dim = 16, 8, 2, 64
+    q_lens, lens = [3, 0, 1, 6], [3, 20, 517, 40]
+    q, kv, bt, sl, qsl, tables = _ragged_case(q_lens, lens, block_size, heads, kv_heads, dim,
+                                              seed=21)
+    meta = paged_attention_ref.build_metadata(qsl.tolist(), lens, tables, block_size)
+    scale = dim ** -0.5
+    want = paged_attention_ref.naive_attention(q, kv, meta, scale)
+    got = cpu_attention.ragged_attention(q, kv, bt, sl, qsl, scale)
+    torch.testing.assert_close(got.float(), want.float(), **TOL)
+    torch.testing.assert_close(
+        cpu_attention.ragged_attention_ref(q, kv, bt, sl, qsl, scale).float(), want.float(),
+        **TOL)
+
+
+def _with_threads(threads: int, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """``fn(*args)`` under ``torch.set_num_threads(threads)`` (restored afterwards)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(old)
+
+
+@needs_kernel
+@pytest.mark.parametrize("ctx", [5, 33, 300, 517])
+@pytest.mark.parametrize("others", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5),
+                                                           (4, 4, 64, 1)])
+def test_verify_is_bit_identical_to_sequential_decode(ctx: int, others: bool, heads: int,
+                                                      kv_heads: int, dim: int,
+                                                      block_size: int) -> None:
+    """The speculative-decoding property: attending 5 new tokens in one ragged call gives
+    exactly the bits of 5 decode calls at contexts ctx-4 .. ctx (same cache, same query rows),
+    whatever else is in the batch and with 1 or 2 threads."""
+    q_len = 5
+    if others:  # the verified sequence sits between a long decode and a prefill chunk
+        q_lens, lens, target = [1, q_len, 3], [700, ctx, 3], 1
+    else:
+        q_lens, lens, target = [q_len], [ctx], 0
+    q, kv, bt, sl, qsl, _ = _ragged_case(q_lens, lens, block_size, heads, kv_heads, dim,
+                                         seed=ctx + heads + 100 * others)
+    start = int(qsl[target])
+    scale = dim ** -0.5
+    for scale_mul in (1.0, 16.0):  # 16: peaked softmax, the running max moves late
+        s = scale * scale_mul
+        for threads in (1, 2):
+            ragged = _with_threads(threads, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, s)
+            for i in range(q_len):
+                row = q[start + i:start + i + 1].clone()
+                one_bt = bt[target:target + 1].clone()
+                one_sl = torch.tensor([ctx - q_len + 1 + i], dtype=torch.int32)
+                for dec_threads in (1, 2):
+                    dec = _with_threads(dec_threads, cpu_attention.decode_attention, row, kv,
+                                        one_bt, one_sl, s)
+                    assert torch.equal(ragged[start + i], dec[0]), (threads, dec_threads, i)
+            # and a batched decode of the 5 rows (one "sequence" per token) matches too
+            rows = q[start:start + q_len].clone()
+            many_bt = bt[target:target + 1].repeat(q_len, 1).contiguous()
+            many_sl = torch.arange(ctx - q_len + 1, ctx + 1, dtype=torch.int32)
+            dec = _with_threads(threads, cpu_attention.decode_attention, rows, kv, many_bt,
+                                many_sl, s)
+            assert torch.equal(ragged[start:start + q_len], dec)
+
+
+@needs_kernel
+def test_ragged_threads_do_not_change_bits() -> None:
+    q, kv, bt, sl, qsl, _ = _ragged_case([1, 5, 3, 1, 16], [300, 517, 40, 900, 600], 16, 9, 3,
+                                         64, seed=4)
+    one = _with_threads(1, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.125)
+    two = _with_threads(2, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.125)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("variant", ["float32", "strided_query", "int64_qsl", "dim_12",
+                                     "strided_qsl"])
+def test_ragged_fallbacks(variant: str) -> None:
+    """Inputs the kernel does not take run the reference (same results)."""
+    dim = 12 if variant == "dim_12" else 64
+    q, kv, bt, sl, qsl, _ = _ragged_case([2, 1, 4], [4, 20, 9], 4, 4, 2, dim, seed=5)
+    if variant == "float32":
+        q, kv = q.float(), kv.float()
+    elif variant == "strided_query":
+        q = torch.cat([q, q], dim=-1)[..., :dim]
+        assert not q.is_contiguous()
+    elif variant == "int64_qsl":
+        qsl = qsl.long()
+    elif variant == "strided_qsl":
+        qsl = torch.stack([qsl, qsl], dim=1)[:, 0]
+        assert not qsl.is_contiguous()
+    got = cpu_attention.ragged_attention(q, kv, bt, sl, qsl, 0.2)
+    want = cpu_attention.ragged_attention_ref(q, kv, bt, sl, qsl, 0.2)
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got.float(), want.float(), **TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad", ["q_len_over_ctx", "qsl_not_ending_at_tokens",
+                                 "qsl_decreasing", "qsl_not_starting_at_0"])
+def test_ragged_bad_layout_is_rejected_by_the_kernel(bad: str, monkeypatch) -> None:
+    """The C side rejects an inconsistent query layout (the Python side then runs the
+    reference, spied on here)."""
+    q, kv, bt, sl, qsl, _ = _ragged_case([2, 3], [10, 20], 4, 4, 2, 64, seed=8)
+    if bad == "q_len_over_ctx":
+        sl[0] = 1
+    elif bad == "qsl_not_ending_at_tokens":
+        qsl[-1] = 4
+    elif bad == "qsl_decreasing":
+        qsl[1] = 6
+        qsl[2] = 5
+    else:
+        qsl[0] = 1
+    calls = []
+    monkeypatch.setattr(cpu_attention, "ragged_attention_ref",
+                        lambda *args: calls.append(args) or torch.zeros_like(q))
+    cpu_attention.ragged_attention(q, kv, bt, sl, qsl, 0.1)
+    assert len(calls) == 1
+    # the well-formed layout takes the kernel
+    _, _, _, sl2, qsl2, _ = _ragged_case([2, 3], [10, 20], 4, 4, 2, 64, seed=8)
+    cpu_attention.ragged_attention(q, kv, bt, sl2, qsl2, 0.1)
+    assert len(calls) == 1
