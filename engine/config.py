@@ -32,7 +32,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     attention_backend: str = "auto"  # auto | torch (the Triton backend arrives with the GPU path)
-    speculation: str = "ngram"  # off | ngram (draft / combined: with the draft-model proposer)
+    # off | ngram. Off by default until the adaptive policy is shown never to slow a batch down
+    # (benchmarks/spec_bench.py measured 0.89x at concurrency 8); draft/combined come later.
+    speculation: str = "off"
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2
     ngram_max: int = 4

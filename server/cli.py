@@ -26,8 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--speculation", default="ngram", choices=["off", "ngram"],
-                   help="speculative decoding method (output is identical either way)")
+    g.add_argument("--speculation", default="off", choices=["off", "ngram"],
+                   help="speculative decoding method (greedy output is identical either way)")
     g.add_argument("--num-speculative-tokens", type=int, default=4)
 
 
