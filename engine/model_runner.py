@@ -104,7 +104,7 @@ class ModelRunner:
                 logits_indices += range(end - 1 - req.num_draft_tokens, end)
                 sample_requests.append(i)
         meta = self.backend.build_metadata(
-            query_start_loc, seq_lens, [list(r.block_table) for r in sched.requests],
+            query_start_loc, seq_lens, [r.block_table for r in sched.requests],
             self.config.block_size)
         inputs = StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),

@@ -20,7 +20,7 @@ decoding the same tokens one at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,7 +68,7 @@ class AttentionMetadata:
         return self.query_start_loc[-1]
 
 
-def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of positions ``[start, end)`` of one sequence."""
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
@@ -143,7 +143,7 @@ def plan_attention(
 def build_metadata(
     query_start_loc: list[int],
     seq_lens: list[int],
-    block_table_lists: list[list[int]],
+    block_table_lists: Sequence[Sequence[int]],
     block_size: int,
 ) -> AttentionMetadata:
     """Metadata for one step from per-sequence block tables (read, never edited, here)."""
