@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from spec.params import SpeculationParams
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class _Add:
     prompt_token_ids: list[int] | None
     params: SamplingParams
     priority: int
+    speculation: SpeculationParams | None
     sink: Callable[[RequestOutput | BaseException], None]
 
 
@@ -72,6 +74,7 @@ class AsyncLLM:
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        speculation: SpeculationParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas; leaving the loop early (break, cancel) aborts the request."""
         if self._error is not None or self._stopped.is_set():
@@ -86,7 +89,8 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(outputs.put_nowait, item)
 
         self._commands.put(_Add(rid, prompt, prompt_token_ids,
-                                sampling_params or SamplingParams(), priority, sink))
+                                sampling_params or SamplingParams(), priority, speculation,
+                                sink))
         if self._stopped.is_set():  # stopped meanwhile: its final drain may have missed this add
             raise EngineDeadError(f"engine is not running: {self._error}")
         finished = False
@@ -169,7 +173,8 @@ class AsyncLLM:
         try:
             self.engine.add_request(
                 command.request_id, command.prompt, command.params,
-                prompt_token_ids=command.prompt_token_ids, priority=command.priority)
+                prompt_token_ids=command.prompt_token_ids, priority=command.priority,
+                speculation=command.speculation)
         except Exception as exc:  # invalid request: report to its caller only
             command.sink(exc)
             return
@@ -187,10 +192,16 @@ class AsyncLLM:
     def stats(self) -> dict[str, Any]:
         """A snapshot for health/metrics endpoints (read without locking: approximate)."""
         kv = self.engine.kv.stats()
+        spec = self.engine.speculator.stats
         return {
             "num_running": len(self.engine.scheduler.running),
             "num_waiting": len(self.engine.scheduler.waiting),
             "kv_usage": kv.usage,
             "num_free_blocks": kv.num_free_blocks,
             "num_preemptions": self.engine.scheduler.num_preemptions,
+            "spec_num_steps": spec.num_steps,
+            "spec_num_drafted": spec.num_drafted,
+            "spec_num_accepted": spec.num_accepted,
+            "spec_accepted_per_position": list(spec.accepted_per_position),
+            "spec_drafted_per_position": list(spec.drafted_per_position),
         }

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+SPECULATION_METHODS = ("off", "ngram", "draft", "combined")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -22,6 +23,7 @@ class EngineConfig:
     """
 
     model: str | None = None  # None = the embedded default (SmolLM2-135M-Instruct)
+    draft_model: str | None = None  # a smaller LM sharing the vocabulary (draft/combined)
     dtype: str = "bfloat16"
     block_size: int = 16
     kv_cache_memory: int = 1 << 30
@@ -58,8 +60,11 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch"):
             raise ConfigError(f"attention_backend must be auto or torch, got "
                               f"{self.attention_backend!r}")
-        if self.speculation not in ("off", "ngram"):
-            raise ConfigError(f"speculation must be off or ngram, got {self.speculation!r}")
+        if self.speculation not in SPECULATION_METHODS:
+            raise ConfigError(f"speculation must be one of {list(SPECULATION_METHODS)}, "
+                              f"got {self.speculation!r}")
+        if self.speculation in ("draft", "combined") and self.draft_model is None:
+            raise ConfigError(f"speculation {self.speculation!r} needs a draft_model")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:

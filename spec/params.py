@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import InvalidParameterError
 
-SPEC_METHODS = ("off", "ngram")  # draft and combined arrive with the draft-model proposer
+SPEC_METHODS = ("off", "ngram", "draft", "combined")
 
 
 @dataclass(frozen=True)
