@@ -17,11 +17,12 @@ from engine import loader
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager, cdiv
-from engine.model_runner import ModelRunner
+from engine.model_runner import GEMV_MAX_ROWS, ModelRunner, select_attention_backend
 from engine.outputs import RequestOutput, Usage
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidParameterError, SamplingParams
 from engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from spec.draft_model import DraftModelRunner, check_same_vocabulary
 from spec.params import SpeculationParams
 from spec.policy import SpeculationPolicy, StepCost, measure_step_cost
 from spec.speculator import Speculator
@@ -52,7 +53,13 @@ class LLMEngine:
         self.tokenizer = loader.load_tokenizer(model_dir)
         self.eos_token_ids = loader.eos_token_ids(model_dir, hf_config, self.tokenizer)
         self.max_model_len = self._max_model_len(hf_config)
-        self.runner = ModelRunner(config, model_dir, hf_config, self.max_model_len)
+        self.draft = self._load_draft()
+        self.runner = ModelRunner(config, model_dir, hf_config, self.max_model_len,
+                                  self.draft.kv_bytes_per_block() if self.draft else 0)
+        if self.draft is not None:
+            check_same_vocabulary(self.tokenizer, self._draft_tokenizer,
+                                  self.runner.vocab_size, self.draft.vocab_size)
+            self.draft.allocate(self.runner.num_blocks)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
@@ -60,18 +67,46 @@ class LLMEngine:
         self.info = ModelInfo(str(model_dir), architecture, self.max_model_len,
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        policy = SpeculationPolicy(self._step_cost(), config.num_speculative_tokens,
+                                   draft_cost=self._draft_cost())
         self.speculator = Speculator(
             config.speculation, config.num_speculative_tokens, config.ngram_min,
-            config.ngram_max, SpeculationPolicy(self._step_cost(), config.num_speculative_tokens))
+            config.ngram_max, policy, self.kv, self.draft, self.max_model_len)
+
+    def _load_draft(self) -> DraftModelRunner | None:
+        if self.config.draft_model is None:
+            return None
+        draft, self._draft_tokenizer = DraftModelRunner.load(
+            self.config.draft_model, self.config.torch_dtype, self.max_model_len,
+            self.config.block_size, self.backend_module(), self.config.seed)
+        return draft
+
+    def backend_module(self) -> Any:
+        return select_attention_backend(self.config.attention_backend)
 
     def _step_cost(self) -> StepCost:
-        """How a step's time grows with its number of tokens, measured on this machine."""
+        """How a step's time grows with its number of tokens, measured on this machine.
+
+        The sizes straddle every 8-row boundary up to the GEMV limit: the bf16 GEMV kernel
+        reads the weights once per 8 rows, so 9 tokens cost about as much as 16, which a
+        curve through powers of two would miss."""
         if not self.config.measure_step_cost or self.config.speculation == "off":
             return StepCost.memory_bound()
-        limit = self.config.max_num_batched_tokens
-        sizes = [n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= limit]
-        cost = measure_step_cost(self.runner.time_forward, sizes)
+        limit = min(self.config.max_num_batched_tokens, 64)
+        sizes = sorted({1, 2, 4, *range(8, GEMV_MAX_ROWS + 1, 8),
+                        *range(9, GEMV_MAX_ROWS + 2, 8), 64})
+        cost = measure_step_cost(self.runner.time_forward, [n for n in sizes if n <= limit])
         log.info("step cost by tokens: %s", dict(zip(cost.num_tokens, cost.seconds, strict=True)))
+        return cost
+
+    def _draft_cost(self) -> StepCost | None:
+        """One draft-model forward by batch size (None when not measured: drafting is free)."""
+        if self.draft is None or not self.config.measure_step_cost:
+            return None
+        sizes = [n for n in (1, 2, 4, 8, 9, 16, 17, 32) if n <= self.config.max_num_seqs]
+        cost = measure_step_cost(self.draft.time_forward, sizes)
+        log.info("draft step cost by batch: %s",
+                 dict(zip(cost.num_tokens, cost.seconds, strict=True)))
         return cost
 
     def _max_model_len(self, hf_config: Any) -> int:
@@ -110,10 +145,21 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         ids = list(prompt_token_ids)
         self._validate_prompt(ids)
+        self._validate_speculation(speculation)
         request = Request(request_id, ids, params, self.eos_token_ids, priority=priority,
                           spec_params=speculation)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
         self.scheduler.add_request(request)
+
+    def _validate_speculation(self, speculation: SpeculationParams | None) -> None:
+        method = speculation.method if speculation else None
+        if method in ("draft", "combined") and self.draft is None:
+            raise InvalidRequestError("speculation.method",
+                                      f"{method!r} needs a draft model; this server has none")
+        if speculation and speculation.k is not None \
+                and speculation.k > self.config.num_speculative_tokens:
+            raise InvalidRequestError(
+                "speculation.k", f"at most {self.config.num_speculative_tokens} on this server")
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:

@@ -96,6 +96,8 @@ def resolve_model(
     """
     if isinstance(spec, str) and not spec.strip():
         raise ModelLoadError("empty model spec: pass a model directory, a .gguf file or None")
+    if isinstance(spec, str) and (named := _fetched_by_name(spec)) is not None:
+        return named
     path = default_gguf_path() if spec is None or spec == "default" else Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {path} does not exist")
@@ -108,6 +110,26 @@ def resolve_model(
             f"{path} is neither a model directory (with config.json) nor a .gguf file"
         )
     return _cached_conversion(path, Path(cache_dir) if cache_dir else cache_root(), progress)
+
+
+def _fetched_by_name(name: str) -> Path | None:
+    """A model fetched by ``quickdraft models fetch`` (e.g. ``qwen2.5-coder-1.5b``)."""
+    from engine import model_fetch  # model_fetch imports this module
+
+    if name not in model_fetch.CHUNKED_MODELS:
+        return None
+    found = model_fetch.fetched_model_dir(name)
+    if found is None:
+        group = next(g for g, names in model_fetch.MODEL_GROUPS.items() if name in names)
+        raise ModelLoadError(f"model {name!r} is not fetched yet: run "
+                             f"`quickdraft models fetch {group}` first")
+    return found
+
+
+def converted_dir(digest: str, cache_dir: Path | None = None) -> Path | None:
+    """The finished conversion of the GGUF with SHA-256 ``digest``, if it is cached."""
+    target = (cache_dir or cache_root()) / "models" / digest[:_CACHE_KEY_LEN]
+    return target if _is_complete(target) else None
 
 
 def _cached_conversion(gguf_path: Path, root: Path, progress: bool) -> Path:

@@ -50,41 +50,55 @@ def select_attention_backend(name: str) -> ModuleType:
     return paged_attention_ref
 
 
+def load_model(model_dir: Any, hf_config: Any, dtype: torch.dtype, max_model_len: int,
+               backend: ModuleType) -> LlamaForCausalLM:
+    """Build the model, load its weights in ``dtype`` and enable the CPU fast path."""
+    start = time.perf_counter()
+    model = LlamaForCausalLM(hf_config, dtype, max_model_len, backend)
+    model.load_weights((name, t.to(dtype)) for name, t in loader.iter_safetensors(model_dir))
+    model.eval()
+    if dtype == torch.bfloat16 and cpu_gemv.available():
+        model.enable_cpu_fast_path(cpu_gemv.linear_bf16, cpu_gemv.MAX_ROWS, GEMV_MAX_ROWS)
+    log.info("loaded weights of %s in %.2fs", model_dir, time.perf_counter() - start)
+    return model
+
+
+def model_kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
+    s = model.shape
+    return kv_bytes_per_block(block_size, s.num_layers, s.num_kv_heads, s.head_dim,
+                              model.dtype.itemsize)
+
+
+def allocate_kv_caches(model: LlamaForCausalLM, num_blocks: int,
+                       block_size: int) -> list[torch.Tensor]:
+    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
+    s = model.shape
+    return [torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
+                        dtype=model.dtype) for _ in range(s.num_layers)]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Any, hf_config: Any,
-                 max_model_len: int) -> None:
+                 max_model_len: int, extra_bytes_per_block: int = 0) -> None:
+        """``extra_bytes_per_block``: what a draft model's K/V adds to every block (it
+        shares the block tables), so that the pool fits ``kv_cache_memory`` in all."""
         self.config = config
         self.dtype = config.torch_dtype
         self.backend = select_attention_backend(config.attention_backend)
-        start = time.perf_counter()
-        self.model = LlamaForCausalLM(hf_config, self.dtype, max_model_len, self.backend)
-        self.model.load_weights(
-            (name, t.to(self.dtype)) for name, t in loader.iter_safetensors(model_dir))
-        self.model.eval()
-        if self.dtype == torch.bfloat16 and cpu_gemv.available():
-            self.model.enable_cpu_fast_path(cpu_gemv.linear_bf16, cpu_gemv.MAX_ROWS,
-                                            GEMV_MAX_ROWS)
-        log.info("loaded weights in %.2fs", time.perf_counter() - start)
-        self.num_blocks = self._num_blocks()
-        shape = self.model.shape
-        self.kv_caches = [
-            torch.zeros(2, self.num_blocks, config.block_size, shape.num_kv_heads,
-                        shape.head_dim, dtype=self.dtype)
-            for _ in range(shape.num_layers)
-        ]
+        self.model = load_model(model_dir, hf_config, self.dtype, max_model_len, self.backend)
+        self.num_blocks = self._num_blocks(extra_bytes_per_block)
+        self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, config.block_size)
         self.default_generator = torch.Generator().manual_seed(config.seed)
 
     @property
     def vocab_size(self) -> int:
         return self.model.shape.vocab_size
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, extra_bytes_per_block: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        s = self.model.shape
-        per_block = kv_bytes_per_block(self.config.block_size, s.num_layers, s.num_kv_heads,
-                                       s.head_dim, self.dtype.itemsize)
-        return max(self.config.kv_cache_memory // per_block, 1)
+        per_block = model_kv_bytes_per_block(self.model, self.config.block_size)
+        return max(self.config.kv_cache_memory // (per_block + extra_bytes_per_block), 1)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, Any]:
         input_ids: list[int] = []
@@ -150,7 +164,8 @@ class ModelRunner:
         """Plain sampling, or lossless verification when any request carries drafts."""
         if any(r.num_draft_tokens for r in reqs):
             drafts = [r.token_ids[len(r.token_ids) - r.num_draft_tokens:] for r in reqs]
-            verified = rejection_sample(logits, drafts, None, batch)
+            verified = rejection_sample(logits, drafts, _draft_probs(reqs, logits.shape[1]),
+                                        batch)
             return verified.token_ids, verified.logprobs
         result = sample(logits, batch)
         tokens = [[t] for t in result.token_ids.tolist()]
@@ -174,3 +189,20 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.kv_caches, meta)
         self.model.compute_logits(hidden[-1:])
         return time.perf_counter() - start
+
+
+def _draft_probs(reqs: list[ScheduledRequest], vocab: int) -> torch.Tensor | None:
+    """``[D, vocab]`` draft distributions for the rejection sampler, or None when every
+    draft is one-hot (n-gram) or belongs to a greedy request (compared by argmax only)."""
+    if all(r.draft_probs is None or r.sampling_params.greedy for r in reqs):
+        return None
+    rows: list[torch.Tensor] = []
+    for r in reqs:
+        if not r.num_draft_tokens:
+            continue
+        if r.draft_probs is not None:
+            rows.append(r.draft_probs)
+        else:  # n-gram drafts: one-hot at the drafted token
+            ids = torch.tensor(r.token_ids[len(r.token_ids) - r.num_draft_tokens:])
+            rows.append(torch.nn.functional.one_hot(ids, vocab).float())
+    return torch.cat(rows)  # [D, vocab]

@@ -44,6 +44,8 @@ class Request:
     # Draft tokens proposed for this step; they are part of the scheduled input but not of
     # `num_tokens` until verified.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Draft-model distributions of those drafts [num_drafts, vocab] (sampled requests only).
+    spec_draft_probs: torch.Tensor | None = None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     error: str | None = None

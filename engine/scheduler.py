@@ -30,6 +30,8 @@ class ScheduledRequest:
     start_pos: int  # position of token_ids[0] (= num_computed_tokens)
     block_table: tuple[int, ...]  # covers start_pos + len(token_ids) positions
     num_draft_tokens: int  # drafts at the tail of token_ids, to verify this step
+    # [num_draft_tokens, vocab] draft-model distributions, or None (one-hot / greedy drafts)
+    draft_probs: torch.Tensor | None
     sample: bool  # the step reaches the end of the request: sample 1 + num_draft_tokens rows
     sampling_params: SamplingParams
     generator: torch.Generator | None
@@ -155,7 +157,7 @@ class Scheduler:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_draft_probs = [], None
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -171,6 +173,8 @@ class Scheduler:
             start_pos=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
             num_draft_tokens=num_drafts,
+            draft_probs=(request.spec_draft_probs[:num_drafts]
+                         if request.spec_draft_probs is not None and num_drafts else None),
             sample=end == request.num_tokens_with_spec,
             sampling_params=request.sampling_params,
             generator=request.generator,
@@ -196,7 +200,7 @@ class Scheduler:
             num_rejected = sched.num_draft_tokens - max(len(tokens) - 1, 0) if tokens else 0
             # Rejected drafts' K/V is discarded: progress rolls back past them.
             request.num_computed_tokens = sched.start_pos + sched.num_tokens - num_rejected
-            request.spec_token_ids = []
+            request.spec_token_ids, request.spec_draft_probs = [], None
             new_tokens: list[int] = []
             status = None
             for j, token in enumerate(tokens):

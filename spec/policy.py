@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,14 +54,25 @@ class StepCost:
 
 
 def measure_step_cost(run: Callable[[int], float], sizes: Sequence[int] = (1, 2, 4, 8, 16, 32,
-                                                                           64, 128)) -> StepCost:
-    """Time ``run(n)`` (a forward pass with n query tokens) for each size; keep the best of 3
-    and make the curve non-decreasing."""
+                                                                           64, 128),
+                      budget_s: float = 4.0) -> StepCost:
+    """Time ``run(n)`` (a forward pass with n query tokens) for each size in increasing
+    order; keep the best of up to 3 and make the curve non-decreasing. Stops adding sizes
+    once ``budget_s`` is spent (a big model on a CPU): :class:`StepCost` extrapolates."""
+    deadline = time.perf_counter() + budget_s
+    xs: list[int] = []
     seconds: list[float] = []
     for n in sizes:
-        best = min(run(n) for _ in range(3))
+        if len(xs) >= 2 and time.perf_counter() > deadline:
+            break
+        best = run(n)
+        for _ in range(2):
+            if time.perf_counter() + best > deadline:
+                break
+            best = min(best, run(n))
+        xs.append(n)
         seconds.append(max(best, seconds[-1] if seconds else 0.0))
-    return StepCost(tuple(sizes), tuple(seconds))
+    return StepCost(tuple(xs), tuple(seconds))
 
 
 @dataclass
@@ -83,28 +95,80 @@ class AcceptanceTracker:
 
 @dataclass
 class SpeculationPolicy:
+    """``cost``: the target's step time by query tokens; ``draft_cost``: one draft-model
+    forward by batch size (None: drafting is free, e.g. n-gram only)."""
+
     cost: StepCost = field(default_factory=StepCost.memory_bound)
     max_k: int = 4
     min_alpha: float = 0.05
     probe_interval: int = 16
+    draft_cost: StepCost | None = None
 
     def allocate(self, alphas: Sequence[float], available: Sequence[int],
-                 num_plain_tokens: int) -> list[int]:
+                 num_plain_tokens: int, uses_draft: Sequence[bool] | None = None) -> list[int]:
         """Draft counts per request. ``available[i]``: drafts request i could verify (proposer
-        output, already capped); ``num_plain_tokens``: the step's tokens without drafts."""
-        ks = [0] * len(alphas)
-        tokens = float(len(alphas))  # every request emits at least one token
-        n = max(num_plain_tokens, 1)
-        heap = [(-a, i) for i, a in enumerate(alphas) if available[i] > 0 and a > self.min_alpha]
+        output, already capped); ``num_plain_tokens``: the step's tokens without drafts;
+        ``uses_draft[i]``: request i's drafts come from the draft model, whose cost is one
+        batched forward per draft position (``depth`` = the deepest such request)."""
+        uses_draft = uses_draft or [False] * len(alphas)
+        model_ids = sorted((i for i, d in enumerate(uses_draft)
+                            if d and available[i] > 0 and alphas[i] > self.min_alpha),
+                           key=lambda i: -alphas[i])
+        best = _Plan([0] * len(alphas), float(len(alphas)), max(num_plain_tokens, 1), 0.0)
+        best = self._add_free_drafts(best, alphas, available, uses_draft)
+        for depth in range(1, self.max_k + 1 if model_ids else 1):
+            plan = _Plan([0] * len(alphas), float(len(alphas)), max(num_plain_tokens, 1), 0.0)
+            for taken, i in enumerate(model_ids, start=1):
+                trial = plan.with_draft_model(i, min(depth, available[i], self.max_k),
+                                              alphas[i], depth, taken, self.draft_cost)
+                if trial.rate(self.cost) <= plan.rate(self.cost):
+                    break
+                plan = trial
+            plan = self._add_free_drafts(plan, alphas, available, uses_draft)
+            if plan.rate(self.cost) > best.rate(self.cost):
+                best = plan
+        return best.ks
+
+    def _add_free_drafts(self, plan: _Plan, alphas: Sequence[float], available: Sequence[int],
+                         uses_draft: Sequence[bool]) -> _Plan:
+        """Grant n-gram drafts one at a time by marginal gain while the rate improves."""
+        heap = [(-a, i) for i, a in enumerate(alphas)
+                if not uses_draft[i] and available[i] > 0 and a > self.min_alpha]
         heapq.heapify(heap)
         while heap:
             neg_gain, i = heapq.heappop(heap)
-            gain = -neg_gain
-            if (tokens + gain) / self.cost(n + 1) <= tokens / self.cost(n):
+            trial = plan.with_token(i, -neg_gain)
+            if trial.rate(self.cost) <= plan.rate(self.cost):
                 break
-            ks[i] += 1
-            tokens += gain
-            n += 1
-            if ks[i] < min(available[i], self.max_k):
-                heapq.heappush(heap, (-(gain * alphas[i]), i))
-        return ks
+            plan = trial
+            if plan.ks[i] < min(available[i], self.max_k):
+                heapq.heappush(heap, (neg_gain * alphas[i], i))
+        return plan
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A candidate allocation: drafts per request, expected tokens, target query tokens and
+    the draft model's time."""
+
+    ks: list[int]
+    tokens: float
+    n: int
+    draft_seconds: float
+
+    def rate(self, cost: StepCost) -> float:
+        return self.tokens / (cost(self.n) + self.draft_seconds)
+
+    def with_token(self, i: int, gain: float) -> _Plan:
+        ks = list(self.ks)
+        ks[i] += 1
+        return _Plan(ks, self.tokens + gain, self.n + 1, self.draft_seconds)
+
+    def with_draft_model(self, i: int, k: int, alpha: float, depth: int, batch: int,
+                         draft_cost: StepCost | None) -> _Plan:
+        """Request ``i`` drafts ``k`` tokens with the model; ``batch`` requests now do."""
+        ks = list(self.ks)
+        ks[i] = k
+        gain = sum(alpha ** j for j in range(1, k + 1))
+        seconds = depth * draft_cost(batch) if draft_cost is not None else 0.0
+        return _Plan(ks, self.tokens + gain, self.n + k, seconds)

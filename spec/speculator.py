@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kv_cache import KVCacheManager
 from engine.request import Request
+from spec.draft_model import DraftInput, DraftModelRunner
 from spec.ngram import NgramProposer
 from spec.params import SpeculationParams
 from spec.policy import AcceptanceTracker, SpeculationPolicy
@@ -38,57 +40,124 @@ class SpeculationStats:
         return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
 
 
+@dataclass
+class _Candidate:
+    request: Request
+    drafts: list[int] | None  # n-gram drafts; None = ask the draft model
+    available: int
+    tracker: AcceptanceTracker
+
+
 class Speculator:
+    """Chooses each running request's drafts. ``kv`` is asked (never edited) for draft slots;
+    ``draft`` is the draft-model runner (None: n-gram only)."""
+
     def __init__(self, method: str, max_k: int, ngram_min: int, ngram_max: int,
-                 policy: SpeculationPolicy) -> None:
+                 policy: SpeculationPolicy, kv: KVCacheManager | None = None,
+                 draft: DraftModelRunner | None = None, max_model_len: int = 1 << 30) -> None:
         self.method = method
         self.max_k = max_k
         self.proposer = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
         self.policy = policy
-        self._trackers: dict[str, AcceptanceTracker] = {}
+        self.kv = kv
+        self.draft = draft
+        self.max_model_len = max_model_len
+        # Per request and source ("ngram" / "draft"): acceptance differs a lot between them.
+        self._trackers: dict[tuple[str, str], AcceptanceTracker] = {}
+        self._verifying: dict[str, AcceptanceTracker] = {}  # tracker of this step's drafts
+        # Draft-model cache progress: request id -> (valid positions, preemptions seen).
+        self._draft_progress: dict[str, tuple[int, int]] = {}
         self.stats = SpeculationStats(accepted_per_position=[0] * max_k,
                                       drafted_per_position=[0] * max_k)
+
+    def method_of(self, request: Request) -> str:
+        params: SpeculationParams | None = request.spec_params
+        return params.method if params and params.method else self.method
 
     def _wants(self, request: Request) -> int:
         """Most drafts this request may take (0 = no speculation for it)."""
         params: SpeculationParams | None = request.spec_params
-        method = (params.method if params and params.method else self.method)
-        if method == "off" or not supports_speculation(request.sampling_params):
+        if self.method_of(request) == "off" or not supports_speculation(request.sampling_params):
             return 0
         if request.num_computed_tokens != request.num_tokens - 1:
             return 0  # still prefilling, or just preempted
         k = params.k if params and params.k is not None else self.max_k
-        return min(k, self.max_k)
+        # One token always comes from the target; drafts past the limits are wasted.
+        room = min(self.max_model_len - request.num_tokens - 1,
+                   request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return max(min(k, self.max_k, room), 0)
 
-    def propose(self, running: list[Request], num_plain_tokens: int) -> None:
-        """Fill ``spec_token_ids`` of the running requests for the next step."""
-        candidates: list[tuple[Request, list[int], AcceptanceTracker]] = []
-        for request in running:
-            request.spec_token_ids = []
-            k = self._wants(request)
-            if k == 0:
-                continue
+    def _candidate(self, request: Request, k: int) -> _Candidate | None:
+        method = self.method_of(request)
+        rid = request.request_id
+        if method in ("ngram", "combined"):
             drafts = self.proposer.propose(_context(request, self.proposer.max_context))[:k]
             if drafts:
-                tracker = self._trackers.setdefault(request.request_id, AcceptanceTracker())
-                candidates.append((request, drafts, tracker))
+                tracker = self._trackers.setdefault((rid, "ngram"), AcceptanceTracker())
+                return _Candidate(request, drafts, len(drafts), tracker)
+        if method in ("draft", "combined") and self.draft is not None:
+            tracker = self._trackers.setdefault((rid, "draft"), AcceptanceTracker())
+            return _Candidate(request, None, k, tracker)
+        return None
+
+    def propose(self, running: list[Request], num_plain_tokens: int) -> None:
+        """Fill ``spec_token_ids`` (and ``spec_draft_probs``) of the running requests."""
+        candidates: list[_Candidate] = []
+        for request in running:
+            request.spec_token_ids, request.spec_draft_probs = [], None
+            k = self._wants(request)
+            if k and (candidate := self._candidate(request, k)) is not None:
+                candidates.append(candidate)
         if not candidates:
             return
-        alphas = [t.alpha for _, _, t in candidates]
-        ks = self.policy.allocate(alphas, [len(d) for _, d, _ in candidates], num_plain_tokens)
-        for (request, drafts, tracker), k in zip(candidates, ks, strict=True):
-            tracker.steps_since_probe += 1
-            if k == 0 and tracker.steps_since_probe >= self.policy.probe_interval:
+        ks = self.policy.allocate([c.tracker.alpha for c in candidates],
+                                  [c.available for c in candidates], num_plain_tokens,
+                                  [c.drafts is None for c in candidates])
+        by_model: list[tuple[Request, int]] = []
+        for c, k in zip(candidates, ks, strict=True):
+            c.tracker.steps_since_probe += 1
+            if k == 0 and c.tracker.steps_since_probe >= self.policy.probe_interval:
                 k = 1  # re-test a request whose acceptance had collapsed
-            if k:
-                tracker.steps_since_probe = 0
-            request.spec_token_ids = drafts[:k]
+            if not k:
+                continue
+            c.tracker.steps_since_probe = 0
+            self._verifying[c.request.request_id] = c.tracker
+            if c.drafts is None:
+                by_model.append((c.request, k))
+            else:
+                c.request.spec_token_ids = c.drafts[:k]
+        if by_model:
+            self._propose_with_model(by_model)
+
+    def _propose_with_model(self, items: list[tuple[Request, int]]) -> None:
+        """One batched draft-model call for every request that drafts with it."""
+        assert self.draft is not None and self.kv is not None
+        inputs: list[DraftInput] = []
+        requests: list[Request] = []
+        for request, k in items:
+            rid = request.request_id
+            done, preemptions = self._draft_progress.get(rid, (0, request.num_preemptions))
+            # Invariant: the draft cache is valid only where the target's is (verified tokens).
+            done = min(done, request.num_computed_tokens) \
+                if preemptions == request.num_preemptions else 0
+            if not self.kv.allocate_slots(rid, request.num_tokens + k):
+                continue  # the pool is short: no drafts this step
+            inputs.append(DraftInput(
+                pending_token_ids=request.token_ids_slice(done, request.num_tokens),
+                start_pos=done, k=k, block_table=tuple(self.kv.block_table(rid)),
+                sampling_params=request.sampling_params, generator=request.generator))
+            requests.append(request)
+        for request, inp, out in zip(requests, inputs, self.draft.propose(inputs), strict=True):
+            request.spec_token_ids = out.token_ids
+            request.spec_draft_probs = out.probs
+            self._draft_progress[request.request_id] = (
+                request.num_tokens + inp.k - 1, request.num_preemptions)
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """Account one verification of ``num_drafted`` drafts for ``request``."""
+        tracker = self._verifying.pop(request.request_id, None)
         if num_drafted == 0:
             return
-        tracker = self._trackers.get(request.request_id)
         if tracker is not None:
             tracker.update(num_drafted, num_accepted)
         request.num_spec_steps += 1
@@ -104,7 +173,10 @@ class Speculator:
                 s.accepted_per_position[pos] += 1
 
     def forget(self, request_id: str) -> None:
-        self._trackers.pop(request_id, None)
+        for source in ("ngram", "draft"):
+            self._trackers.pop((request_id, source), None)
+        self._verifying.pop(request_id, None)
+        self._draft_progress.pop(request_id, None)
 
 
 def _context(request: Request, limit: int) -> list[int]:

@@ -16,8 +16,13 @@ def test_step_cost_interpolates_and_extrapolates():
 
 def test_measure_step_cost_is_monotone_best_of_three():
     calls = iter([5.0, 3.0, 4.0, 2.0, 2.5, 9.0])  # n=1: best 3; n=2: best 2 -> raised to 3
-    cost = measure_step_cost(lambda n: next(calls), sizes=(1, 2))
+    cost = measure_step_cost(lambda n: next(calls), sizes=(1, 2), budget_s=100.0)
     assert cost.seconds == (3.0, 3.0)
+
+
+def test_measure_step_cost_stops_at_its_budget():
+    cost = measure_step_cost(lambda n: 0.02, sizes=(1, 2, 4, 8), budget_s=0.0)
+    assert cost.num_tokens == (1, 2)  # two sizes at least, each timed once
 
 
 def test_memory_bound_batch_takes_all_drafts_of_good_requests():
