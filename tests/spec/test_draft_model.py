@@ -151,3 +151,31 @@ def test_per_request_method_switch(tiny_model_dir):
     assert usage["o"].num_drafted_tokens == 0
     assert usage["d"].num_drafted_tokens > 0 and usage["n"].num_drafted_tokens > 0
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_draft_sampling_draws_from_the_distribution_it_reports():
+    """The premise of lossless verification: each sampled draft x is drawn from the q handed
+    to the rejection sampler (temperature + top-k applied as for the target)."""
+    import torch
+    from scipy.stats import chisquare
+
+    from spec.draft_model import DraftInput, DraftModelRunner
+
+    runner = DraftModelRunner(None, 4, None, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0],
+                           [0.0, 3.0, 1.0, 0.0, 0.0, 0.0]])  # [2, V]
+    sampled = SamplingParams(temperature=0.8, top_k=4)
+
+    def inputs(seed: int) -> list[DraftInput]:
+        return [DraftInput([1], 0, 1, (0,), sampled, torch.Generator().manual_seed(seed)),
+                DraftInput([1], 0, 1, (0,), GREEDY, None)]
+
+    counts = torch.zeros(6)
+    for seed in range(4000):
+        tokens, q = runner._sample(logits, inputs(seed))
+        assert q is not None and tokens[1] == 1  # greedy row: argmax
+        counts[tokens[0]] += 1
+    expected = torch.softmax(torch.where(logits[0] >= 0.0, logits[0] / 0.8, -torch.inf), -1)
+    assert torch.allclose(q[0], expected)
+    assert counts[4:].sum() == 0  # filtered out by top-k
+    assert chisquare(counts[:4], expected[:4] * 4000).pvalue > 1e-3
