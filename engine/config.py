@@ -34,9 +34,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     attention_backend: str = "auto"  # auto | torch (the Triton backend arrives with the GPU path)
-    # off | ngram. Off by default until the adaptive policy is shown never to slow a batch down
-    # (benchmarks/spec_bench.py measured 0.89x at concurrency 8); draft/combined come later.
-    speculation: str = "off"
+    # off | ngram | draft | combined (draft and combined need draft_model). On by default:
+    # the adaptive policy turns drafts down wherever they would not pay for themselves.
+    speculation: str = "ngram"
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2
     ngram_max: int = 4

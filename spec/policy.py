@@ -102,6 +102,7 @@ class SpeculationPolicy:
     max_k: int = 4
     min_alpha: float = 0.05
     probe_interval: int = 16
+    probe_below_alpha: float = 0.3  # probe only requests refused for low acceptance
     draft_cost: StepCost | None = None
 
     def allocate(self, alphas: Sequence[float], available: Sequence[int],

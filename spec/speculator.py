@@ -116,8 +116,10 @@ class Speculator:
         by_model: list[tuple[Request, int]] = []
         for c, k in zip(candidates, ks, strict=True):
             c.tracker.steps_since_probe += 1
-            if k == 0 and c.tracker.steps_since_probe >= self.policy.probe_interval:
-                k = 1  # re-test a request whose acceptance had collapsed
+            if k == 0 and c.tracker.alpha <= self.policy.probe_below_alpha \
+                    and c.tracker.steps_since_probe >= self.policy.probe_interval:
+                k = 1  # re-test a request whose acceptance had collapsed (not one that
+                # was refused because drafting costs too much at this batch size)
             if not k:
                 continue
             c.tracker.steps_since_probe = 0
