@@ -10,9 +10,11 @@ import time
 from collections.abc import Sequence
 
 from engine.async_engine import AsyncLLM
-from engine.config import DTYPES, ConfigError, EngineConfig
+from engine.config import DTYPES, SPECULATION_METHODS, ConfigError, EngineConfig
 from engine.loader import ModelLoadError
 from engine.sampling_params import InvalidParameterError, SamplingParams
+from server.models_cli import add_models_parser
+from server.serve import add_serve_parser
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,8 +28,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--speculation", default="off", choices=["off", "ngram"],
-                   help="speculative decoding method (greedy output is identical either way)")
+    g.add_argument("--draft-model", default=None,
+                   help="draft model for speculation (same vocabulary as --model)")
+    g.add_argument("--speculation", default=None, choices=list(SPECULATION_METHODS),
+                   help="speculative decoding method (output is identical either way; "
+                   "default: combined with a draft model, else ngram)")
     g.add_argument("--num-speculative-tokens", type=int, default=4)
 
 
@@ -36,8 +41,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        seed=args.seed, speculation=args.speculation,
+        seed=args.seed, draft_model=args.draft_model,
+        speculation=args.speculation or default_speculation(args.draft_model),
         num_speculative_tokens=args.num_speculative_tokens)
+
+
+def default_speculation(draft_model: str | None) -> str:
+    return "combined" if draft_model else "ngram"
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -160,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen, max_tokens=256)
     gen.set_defaults(func=run_generate)
+    add_models_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

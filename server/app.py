@@ -1,0 +1,77 @@
+"""The ASGI app: routes, middleware and error shapes. ``create_app`` is the one factory (the CLI
+and the tests use it); the engine loads in the background once the app starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+
+from server import openai_api
+from server.errors import ProtocolError
+from server.gateway import EngineFactory, Gateway, default_engine_factory
+from server.guard import LOCALHOST_ORIGIN_REGEX, Guard
+from server.metrics import CONTENT_TYPE
+from server.settings import ServerSettings
+from server.ws import websocket_endpoint
+
+
+def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = None
+               ) -> Starlette:
+    """``engine_factory`` builds the AsyncLLM (in a background thread); default: from
+    ``settings.engine``."""
+    gw = Gateway(settings, engine_factory or default_engine_factory(settings.engine))
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", openai_api.list_models),
+        Route("/v1/models/{model:path}", openai_api.get_model),
+        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        WebSocketRoute("/v1/ws", websocket_endpoint),
+    ]
+    middleware = [
+        Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                   allow_origin_regex=LOCALHOST_ORIGIN_REGEX, allow_methods=["GET", "POST"],
+                   allow_headers=["Authorization", "Content-Type"]),
+        Middleware(Guard, settings=settings),
+    ]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=gw.lifespan,
+                    exception_handlers={ProtocolError: openai_api.protocol_error_handler,
+                                        HTTPException: http_error, Exception: server_error})
+    app.state.gateway = gw
+    return app
+
+
+async def health(request: Request) -> Response:
+    """200 once the model serves; 503 while loading, draining, or if loading failed."""
+    gw: Gateway = request.app.state.gateway
+    body: dict[str, Any] = {"status": gw.status, "model": gw.model_name}
+    if gw.error:
+        body["error"] = gw.error
+    ready = gw.status == "ready" and gw.llm is not None and gw.llm.is_running
+    return JSONResponse(body, 200 if ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    err = ProtocolError(code, str(exc.detail), status=exc.status_code)
+    return JSONResponse({"error": err.to_dict()}, exc.status_code, exc.headers)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    err = ProtocolError("internal_error", "internal server error", status=500,
+                        type="server_error")
+    return JSONResponse({"error": err.to_dict()}, 500)

@@ -1,0 +1,122 @@
+"""Prometheus metrics with vLLM-style names, in a registry owned by one app (no globals).
+
+Request histograms and token counters are observed by the endpoints when a request ends; the
+engine's gauges and speculation counters are read from ``AsyncLLM.stats()`` at scrape time by a
+custom collector (zeros while the model loads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.outputs import Usage
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+StatsSource = Callable[[], dict[str, Any] | None]
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters the engine keeps itself, read at scrape time."""
+
+    def __init__(self, model_name: str, stats: StatsSource) -> None:
+        self._model = model_name
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # registering must not call collect(): the engine may still be loading
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats() or {}
+        yield self._gauge("num_requests_running", "Requests in the running batch.",
+                          stats.get("num_running", 0))
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                          stats.get("num_waiting", 0))
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                          stats.get("kv_usage", 0.0))
+        counters = {
+            "num_preemptions": ("Preemptions (recompute) so far.", "num_preemptions"),
+            "spec_decode_num_drafts": ("Verification steps that carried drafts.",
+                                       "spec_num_steps"),
+            "spec_decode_num_draft_tokens": ("Draft tokens proposed.", "spec_num_drafted"),
+            "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", "spec_num_accepted"),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                                     "prefix_cache_queries"),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.",
+                                  "prefix_cache_hits"),
+        }
+        for name, (doc, key) in counters.items():
+            yield self._counter(name, doc, stats.get(key, 0))
+        per_pos = CounterMetricFamily(
+            "quickdraft:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.", labels=["model_name", "position"])
+        for pos, n in enumerate(stats.get("spec_accepted_per_position", [])):
+            per_pos.add_metric([self._model, str(pos)], n)
+        yield per_pos
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(f"quickdraft:{name}", doc, labels=["model_name"])
+        g.add_metric([self._model], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(f"quickdraft:{name}", doc, labels=["model_name"])
+        c.add_metric([self._model], value)
+        return c
+
+
+class GatewayMetrics:
+    """The app's registry; ``observe`` is called once per finished engine request."""
+
+    def __init__(self, model_name: str, stats: StatsSource) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram("quickdraft:time_to_first_token_seconds",
+                              "Time to first token.", labels, buckets=LATENCY_BUCKETS,
+                              registry=reg).labels(model_name)
+        self.tpot = Histogram("quickdraft:time_per_output_token_seconds",
+                              "Mean time per output token after the first.", labels,
+                              buckets=TPOT_BUCKETS, registry=reg).labels(model_name)
+        self.e2e = Histogram("quickdraft:e2e_request_latency_seconds",
+                             "End-to-end request latency.", labels, buckets=LATENCY_BUCKETS,
+                             registry=reg).labels(model_name)
+        self.queue = Histogram("quickdraft:request_queue_time_seconds",
+                               "Time from arrival to first scheduled.", labels,
+                               buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.prompt_tokens = Counter("quickdraft:prompt_tokens", "Prompt tokens processed.",
+                                     labels, registry=reg).labels(model_name)
+        self.generation_tokens = Counter("quickdraft:generation_tokens",
+                                         "Tokens generated.", labels, registry=reg
+                                         ).labels(model_name)
+        self.finished = Counter("quickdraft:request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self.ws_connections = Gauge("quickdraft:websocket_connections",
+                                    "Open WebSocket sessions.", labels, registry=reg
+                                    ).labels(model_name)
+        reg.register(_EngineCollector(model_name, stats))
+
+    def observe(self, usage: Usage | None, finish_reason: str | None, e2e: float) -> None:
+        self.finished.labels(self.model_name, finish_reason or "unknown").inc()
+        self.e2e.observe(e2e)
+        if usage is None:
+            return
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        self.generation_tokens.inc(usage.completion_tokens)
+        self.queue.observe(usage.queue_time)
+        if usage.ttft is not None:
+            self.ttft.observe(usage.ttft)
+        if usage.completion_tokens > 1:
+            self.tpot.observe(usage.decode_time / (usage.completion_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

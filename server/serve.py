@@ -1,0 +1,86 @@
+"""``quickdraft serve``: command-line wiring (the server itself is in server.runner, imported
+only when the command runs, so other subcommands start without uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from engine.config import ConfigError, EngineConfig
+from server.settings import ServerSettings, SettingsError, read_api_key_file
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
+API_KEY_ENV = "QUICKDRAFT_API_KEY"
+
+
+def add_serve_parser(sub: Any) -> None:
+    """Add ``serve`` to the ``quickdraft`` subcommands."""
+    from server.cli import add_engine_args  # the CLI module imports this one
+
+    p = sub.add_parser("serve",
+                       help="serve the WebSocket gateway and the OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=_DEFAULTS["host"])
+    s.add_argument("--port", type=int, default=_DEFAULTS["port"])
+    s.add_argument("--served-model-name", default=None, help="the model name clients use")
+    s.add_argument("--api-key", action="append", default=[],
+                   help=f"accepted API key (repeatable; also ${API_KEY_ENV})")
+    s.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    s.add_argument("--allowed-origins", action="append", default=[],
+                   help="browser origins allowed besides same-origin and localhost "
+                        "(comma-separated, repeatable; * allows any)")
+    for name, help_text in (
+            ("max_connections", "open WebSocket sessions"),
+            ("max_responses_per_connection", "concurrent responses on one WebSocket"),
+            ("max_inflight_requests", "engine requests in flight, all clients"),
+            ("max_message_size", "bytes per WebSocket message / HTTP body"),
+            ("max_conversation_items", "items per WebSocket conversation")):
+        s.add_argument("--" + name.replace("_", "-"), type=int, default=_DEFAULTS[name],
+                       help=f"{help_text} (default {_DEFAULTS[name]})")
+    s.add_argument("--drain-timeout", type=float, default=_DEFAULTS["drain_timeout"],
+                   help="seconds in-flight answers get to finish on SIGTERM")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=run_serve)
+
+
+def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
+    from server.cli import engine_config
+
+    return dataclasses.replace(engine_config(args), num_threads=args.num_threads)
+
+
+def serve_settings(args: argparse.Namespace) -> ServerSettings:
+    keys = list(args.api_key)
+    if args.api_key_file:
+        keys += read_api_key_file(args.api_key_file)
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys = [os.environ[API_KEY_ENV]]
+    origins = [o.strip() for value in args.allowed_origins for o in value.split(",")
+               if o.strip()]
+    return ServerSettings(
+        engine=serve_engine_config(args), host=args.host, port=args.port,
+        served_model_name=args.served_model_name, api_keys=tuple(keys),
+        allowed_origins=tuple(origins), max_connections=args.max_connections,
+        max_responses_per_connection=args.max_responses_per_connection,
+        max_inflight_requests=args.max_inflight_requests,
+        max_message_size=args.max_message_size,
+        max_conversation_items=args.max_conversation_items,
+        drain_timeout=args.drain_timeout, log_level=args.log_level)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = serve_settings(args)
+    except (SettingsError, ConfigError) as exc:
+        print(f"quickdraft: error: {exc}", file=sys.stderr)
+        return 2
+    from server.runner import serve
+
+    return serve(settings)

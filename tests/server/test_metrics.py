@@ -1,0 +1,46 @@
+"""GatewayMetrics: a registry per app (two apps never share series), zeros while the engine
+loads, engine stats read at scrape time, histograms and counters fed from Usage."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.outputs import Usage
+from server.metrics import GatewayMetrics
+
+
+def samples(m: GatewayMetrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_loading_then_stats_and_observations():
+    stats: dict | None = None
+    m = GatewayMetrics("tiny", lambda: stats)
+    loading = samples(m)
+    assert loading[("quickdraft:num_requests_running", (("model_name", "tiny"),))] == 0
+    assert loading[("quickdraft:prefix_cache_hits_total", (("model_name", "tiny"),))] == 0
+    stats = {"num_running": 2, "num_waiting": 1, "kv_usage": 0.25, "num_preemptions": 3,
+             "spec_num_steps": 4, "spec_num_drafted": 9, "spec_num_accepted": 5,
+             "spec_accepted_per_position": [3, 2], "prefix_cache_queries": 7}
+    m.observe(Usage(10, 5, queue_time=0.01, ttft=0.1, decode_time=0.4), "stop", 0.6)
+    m.observe(None, "abort", 0.2)
+    got = samples(m)
+    label = (("model_name", "tiny"),)
+    assert got[("quickdraft:num_requests_running", label)] == 2
+    assert got[("quickdraft:kv_cache_usage_perc", label)] == 0.25
+    assert got[("quickdraft:spec_decode_num_draft_tokens_total", label)] == 9
+    assert got[("quickdraft:prefix_cache_queries_total", label)] == 7
+    assert got[("quickdraft:spec_decode_num_accepted_tokens_per_pos_total",
+                (("model_name", "tiny"), ("position", "1")))] == 2
+    assert got[("quickdraft:prompt_tokens_total", label)] == 10
+    assert got[("quickdraft:generation_tokens_total", label)] == 5
+    assert got[("quickdraft:e2e_request_latency_seconds_count", label)] == 2
+    assert got[("quickdraft:time_per_output_token_seconds_sum", label)] == 0.1
+    assert got[("quickdraft:request_success_total",
+                (("finished_reason", "abort"), ("model_name", "tiny")))] == 1
+    other = GatewayMetrics("tiny", lambda: None)  # its own registry: no clash, no sharing
+    assert samples(other)[("quickdraft:prompt_tokens_total", label)] == 0
