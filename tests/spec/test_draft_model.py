@@ -179,3 +179,27 @@ def test_draft_sampling_draws_from_the_distribution_it_reports():
     assert torch.allclose(q[0], expected)
     assert counts[4:].sum() == 0  # filtered out by top-k
     assert chisquare(counts[:4], expected[:4] * 4000).pvalue > 1e-3
+
+
+@pytest.mark.slow
+def test_real_model_drafting_for_itself_changes_nothing(default_model_dir):
+    """The default model (fp32) as its own draft, draft and combined: greedy output equals
+    plain decoding for real chat prompts, alone and batched, and nearly every draft passes."""
+    from tests.spec.test_spec_engine import REAL_PROMPTS
+
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain = make_engine(default_model_dir, "off", max_num_batched_tokens=128)
+    chat = [plain.apply_chat_template([{"role": "user", "content": p}]) for p in REAL_PROMPTS]
+    want = [o.token_ids for o in plain.generate(chat, params)]
+    for method in ("draft", "combined"):
+        spec = make_engine(default_model_dir, method, default_model_dir,
+                           max_num_batched_tokens=128)
+        assert [spec.generate([ids], params)[0].token_ids for ids in chat] == want
+        outs = spec.generate(chat, params)
+        assert [o.token_ids for o in outs] == want
+        drafted = sum(o.usage.num_drafted_tokens for o in outs)
+        accepted = sum(o.usage.num_accepted_tokens for o in outs)
+        assert drafted > 0
+        if method == "draft":  # n-gram drafts (combined) are rejected more often
+            assert accepted >= 0.9 * drafted
+        assert spec.kv.num_free_blocks == spec.kv.pool.num_blocks
