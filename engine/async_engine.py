@@ -199,6 +199,8 @@ class AsyncLLM:
             "kv_usage": kv.usage,
             "num_free_blocks": kv.num_free_blocks,
             "num_preemptions": self.engine.scheduler.num_preemptions,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
             "spec_num_steps": spec.num_steps,
             "spec_num_drafted": spec.num_drafted,
             "spec_num_accepted": spec.num_accepted,

@@ -40,6 +40,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2
     ngram_max: int = 4
+    enable_prefix_caching: bool = True  # share full KV blocks between equal prefixes
     measure_step_cost: bool = True  # time forward passes at start-up for the spec policy
 
     def __post_init__(self) -> None:

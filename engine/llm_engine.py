@@ -60,7 +60,8 @@ class LLMEngine:
             check_same_vocabulary(self.tokenizer, self._draft_tokenizer,
                                   self.runner.vocab_size, self.draft.vocab_size)
             self.draft.allocate(self.runner.num_blocks)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
         architecture = (hf_config.architectures or [hf_config.model_type])[0]
@@ -134,6 +135,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         speculation: SpeculationParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; raises :class:`InvalidRequestError` naming the bad field."""
         params = sampling_params or SamplingParams()
@@ -147,7 +149,7 @@ class LLMEngine:
         self._validate_prompt(ids)
         self._validate_speculation(speculation)
         request = Request(request_id, ids, params, self.eos_token_ids, priority=priority,
-                          spec_params=speculation)
+                          spec_params=speculation, cache_salt=cache_salt)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params)
         self.scheduler.add_request(request)
 
@@ -267,6 +269,7 @@ class LLMEngine:
             prompt_tokens=request.num_prompt_tokens,
             completion_tokens=request.num_output_tokens,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=request.num_cached_tokens or 0,
             queue_time=(scheduled or now) - request.arrival_time,
             ttft=(first - request.arrival_time) if first else None,
             decode_time=(now - first) if first else 0.0,

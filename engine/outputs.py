@@ -10,6 +10,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
     queue_time: float = 0.0  # seconds from arrival to first scheduled
     ttft: float | None = None  # seconds from arrival to first token
     decode_time: float = 0.0  # seconds from first token to finish

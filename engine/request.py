@@ -54,6 +54,8 @@ class Request:
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
     spec_params: SpeculationParams | None = None
+    cache_salt: str | None = None  # separates prefix-cache namespaces (e.g. tenants)
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache
     num_spec_steps: int = 0  # verification steps with >= 1 draft
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -120,10 +120,18 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request.request_id,
-                                          request.num_computed_tokens + num_new):
+            assert request.num_computed_tokens == 0  # fresh, or preempted (recompute)
+            cached = self.kv.find_cached_prefix(
+                request.request_id, request.token_ids_slice(0, request.num_tokens),
+                request.cache_salt)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
                 break  # wait for blocks to be freed
+            self.kv.record_query(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -214,6 +222,9 @@ class Scheduler:
                                                   request.num_tokens - 1)
             assert request.num_computed_tokens <= request.num_tokens
             self.kv.truncate(request.request_id, request.num_computed_tokens)
+            # Only verified tokens enter the prefix cache: drafts were rolled back above.
+            self.kv.cache_verified(request.request_id, request.num_computed_tokens,
+                                   request.token_ids_slice, request.cache_salt)
             if status is not None:
                 self.finish_requests([request.request_id], status)
             updates.append(RequestUpdate(request, new_tokens, status is not None))
