@@ -251,7 +251,10 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
                           draft_model=args.draft_model if uses_draft else None,
                           max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
                           speculation="combined" if uses_draft else "ngram",
-                          num_threads=args.threads)
+                          num_threads=args.threads,
+                          # every method reruns the same prompts: cache hits would favour
+                          # whichever method runs second
+                          enable_prefix_caching=False)
     start = time.perf_counter()
     engine = LLMEngine(config, progress=False)
     return engine, time.perf_counter() - start

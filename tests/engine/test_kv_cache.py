@@ -35,7 +35,7 @@ def test_shared_prefix_blocks_are_reference_counted():
     prompt = list(range(10))  # 2 full blocks + 2 tokens
     assert fill(kv, "a", prompt) == []
     assert kv.block_table("a") == [0, 1, 2]
-    hits = fill(kv, "b", prompt[:8] + [99, 98, 97])
+    hits = fill(kv, "b", [*prompt[:8], 99, 98, 97])
     assert hits == [0, 1] and kv.block_table("b") == [0, 1, 3]
     assert [kv.pool.ref_count(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
     kv.free("a")
@@ -51,7 +51,7 @@ def test_hit_is_capped_at_len_minus_one():
     kv.free("a")
     # Everything is cached, but the last token must be computed: only block 0 is a hit.
     assert kv.find_cached_prefix("b", prompt) == [0]
-    assert kv.find_cached_prefix("c", prompt + [8]) == [0, 1]
+    assert kv.find_cached_prefix("c", [*prompt, 8]) == [0, 1]
 
 
 def test_freed_cached_blocks_are_evicted_lru_tail_first():
@@ -62,7 +62,7 @@ def test_freed_cached_blocks_are_evicted_lru_tail_first():
     assert kv.pool.num_cached == 3
     assert kv.allocate_slots("x", 4 * BS)  # takes 3, 4, 5 and then block 2: evicted
     assert kv.block_table("x") == [3, 4, 5, 2]
-    assert kv.find_cached_prefix("b", list(range(12)) + [0]) == [0, 1]  # 2 is gone
+    assert kv.find_cached_prefix("b", [*list(range(12)), 0]) == [0, 1]  # 2 is gone
 
 
 def test_a_hit_on_a_free_block_takes_it_off_the_free_list():
@@ -88,10 +88,10 @@ def test_only_verified_tokens_are_cached():
     kv.truncate("a", verified)
     kv.cache_verified("a", verified, lambda a, b: (tokens + drafts)[a:b])
     assert kv.pool.num_cached == 1  # block 1 holds 3 verified tokens: not full, not cached
-    kv.cache_verified("a", 8, lambda a, b: (tokens + [50, 60])[a:b])  # later: 8 verified
+    kv.cache_verified("a", 8, lambda a, b: ([*tokens, 50, 60])[a:b])  # later: 8 verified
     assert kv.pool.num_cached == 2
-    assert kv.find_cached_prefix("b", tokens + [50, 60, 0]) == [0, 1]
-    assert kv.find_cached_prefix("c", tokens + [50, 51, 0]) == [0]  # the rejected path
+    assert kv.find_cached_prefix("b", [*tokens, 50, 60, 0]) == [0, 1]
+    assert kv.find_cached_prefix("c", [*tokens, 50, 51, 0]) == [0]  # the rejected path
 
 
 def scheduler(num_blocks: int = 16) -> tuple[Scheduler, KVCacheManager]:
