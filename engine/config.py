@@ -40,6 +40,8 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2
     ngram_max: int = 4
+    # A waiting request gains one priority level per this many seconds (None: no aging).
+    priority_aging_s: float | None = 30.0
     enable_prefix_caching: bool = True  # share full KV blocks between equal prefixes
     measure_step_cost: bool = True  # time forward passes at start-up for the spec policy
 
@@ -58,6 +60,8 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.priority_aging_s is not None and self.priority_aging_s <= 0:
+            raise ConfigError("priority_aging_s must be positive or None")
         if self.attention_backend not in ("auto", "torch"):
             raise ConfigError(f"attention_backend must be auto or torch, got "
                               f"{self.attention_backend!r}")

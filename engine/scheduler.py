@@ -10,7 +10,7 @@ blocks last.
 
 from __future__ import annotations
 
-from collections import deque
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -67,16 +67,21 @@ class RequestUpdate:
 
 
 class Scheduler:
+    """``priority_aging_s``: a waiting request's effective priority improves by one level per
+    this many seconds (background work is never starved forever); None = no aging."""
+
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, priority_aging_s: float | None = 30.0) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.priority_aging_s = priority_aging_s
+        self.waiting: list[Request] = []  # ordered by (effective priority, arrival)
+        self.running: list[Request] = []  # ordered likewise at every schedule()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._now = time.monotonic()
 
     @property
     def has_unfinished(self) -> bool:
@@ -103,41 +108,97 @@ class Scheduler:
             finished.append(request)
         return finished
 
+    def _key(self, request: Request) -> tuple[float, float]:
+        """(effective priority, arrival): lower runs first."""
+        priority: float = request.priority
+        if self.priority_aging_s:
+            priority -= (self._now - request.arrival_time) // self.priority_aging_s
+        return priority, request.arrival_time
+
     def schedule(self) -> SchedulerOutput:
+        self._now = time.monotonic()
+        self.waiting.sort(key=self._key)
+        self.running.sort(key=self._key)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        urgent = self._key(self.waiting[0])[0] if self.waiting else None
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            i += 1
+            if urgent is not None and self._key(request)[0] > urgent \
+                    and request.num_tokens - request.num_computed_tokens > 1:
+                continue  # a less urgent prefill yields its budget to waiting work
             self._trim_drafts(request, budget)
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # `request` itself was preempted; everything after it too
             scheduled.append(self._schedule_one(request, num_new))
             budget -= num_new
-            i += 1
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
-            assert request.num_computed_tokens == 0  # fresh, or preempted (recompute)
-            cached = self.kv.find_cached_prefix(
-                request.request_id, request.token_ids_slice(0, request.num_tokens),
-                request.cache_salt)
-            num_cached = len(cached) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
-                break  # wait for blocks to be freed
-            self.kv.record_query(request.num_tokens, num_cached)
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(self._schedule_one(request, num_new))
-            budget -= num_new
+        budget = self._admit_waiting(budget, scheduled, preempted)
         return SchedulerOutput(scheduled, preempted)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
+                       preempted: list[str]) -> int:
+        """Admit waiting requests in order while budget, slots and blocks last; preempt less
+        urgent running requests to make room (interactive never waits behind background)."""
+        kv_pressure = bool(preempted)  # running work already needed preemption this step
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            admitted = not kv_pressure and len(self.running) < self.max_num_seqs \
+                and self._admit(request, budget)
+            if admitted:
+                self.waiting.pop(0)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                scheduled.append(self._schedule_one(request, num_new))
+                budget -= num_new
+                continue
+            victim = self._less_urgent_victim(request)
+            if victim is None:
+                break  # wait for blocks, slots or budget to be freed
+            budget += self._unschedule(victim, scheduled)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            self.waiting.sort(key=self._key)
+            kv_pressure = False
+        return budget
+
+    def _admit(self, request: Request, budget: int) -> bool:
+        """Allocate the waiting head's first chunk, starting after its cached prefix."""
+        assert request.num_computed_tokens == 0  # fresh, or preempted (recompute)
+        cached = self.kv.find_cached_prefix(
+            request.request_id, request.token_ids_slice(0, request.num_tokens),
+            request.cache_salt)
+        num_cached = len(cached) * self.kv.block_size
+        num_new = min(request.num_tokens - num_cached, budget)
+        if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
+            return False
+        self.kv.record_query(request.num_tokens, num_cached)
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached
+        return True
+
+    def _less_urgent_victim(self, request: Request) -> Request | None:
+        """The least urgent, newest running request less urgent than ``request``."""
+        key = self._key(request)[0]
+        for victim in reversed(self.running):
+            if self._key(victim)[0] > key:
+                return victim
+        return None
+
+    @staticmethod
+    def _unschedule(victim: Request, scheduled: list[ScheduledRequest]) -> int:
+        """Drop ``victim`` from this step if it was scheduled; returns its tokens."""
+        for j, s in enumerate(scheduled):
+            if s.request_id == victim.request_id:
+                del scheduled[j]
+                return s.num_tokens
+        return 0
 
     def _trim_drafts(self, request: Request, budget: int) -> None:
         """Drop drafts that cannot be verified usefully this step: past the token budget, the
@@ -169,7 +230,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.insert(0, request)  # re-sorted by (priority, arrival) next schedule()
 
     def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

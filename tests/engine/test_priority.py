@@ -1,0 +1,87 @@
+"""Priority classes in the scheduler: (priority, arrival) order, interactive work preempts
+background work for slots, blocks and budget, aging keeps background from starving."""
+
+from __future__ import annotations
+
+import time
+
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+INTERACTIVE, BACKGROUND = 0, 10
+
+
+def make(rid: str, n_prompt: int, priority: int, arrival: float, max_tokens: int = 50,
+         ) -> Request:
+    return Request(rid, [rid.__hash__() % 50 + 1, *list(range(100, 100 + n_prompt - 1))],
+                   SamplingParams(max_tokens=max_tokens, temperature=0), frozenset({0}),
+                   arrival_time=arrival, priority=priority)
+
+
+def sched(num_blocks=16, block_size=4, max_seqs=4, budget=32, aging=None):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    return Scheduler(kv, max_seqs, budget, 1000, priority_aging_s=aging), kv
+
+
+def step(s: Scheduler):
+    out = s.schedule()
+    s.update_from_output(out, [[7] if r.sample else [] for r in out.requests], None)
+    return out
+
+
+def test_waiting_queue_runs_by_priority_then_arrival():
+    s, _ = sched(max_seqs=1)
+    s.add_request(make("bg-old", 4, BACKGROUND, arrival=1.0))
+    s.add_request(make("ia-new", 4, INTERACTIVE, arrival=3.0))
+    s.add_request(make("ia-old", 4, INTERACTIVE, arrival=2.0))
+    out = step(s)
+    assert [r.request_id for r in out.requests] == ["ia-old"]
+    assert [r.request_id for r in s.waiting] == ["ia-new", "bg-old"]
+
+
+def test_interactive_preempts_background_for_a_sequence_slot():
+    s, _ = sched(max_seqs=2)
+    for i in range(2):
+        s.add_request(make(f"bg{i}", 4, BACKGROUND, arrival=float(i)))
+    step(s)
+    s.add_request(make("ia", 4, INTERACTIVE, arrival=5.0))
+    out = step(s)
+    assert out.preempted_ids == ["bg1"]  # the least urgent, newest
+    assert {r.request_id for r in out.requests} == {"bg0", "ia"}
+    assert s.requests["bg1"].status == RequestStatus.WAITING
+    assert s.requests["bg1"].num_preemptions == 1
+
+
+def test_interactive_preempts_background_for_blocks_but_never_the_reverse():
+    s, _kv = sched(num_blocks=6, max_seqs=4)
+    s.add_request(make("bg", 20, BACKGROUND, arrival=0.0))  # 5 blocks of 6 (+1 to grow)
+    step(s)
+    s.add_request(make("ia", 12, INTERACTIVE, arrival=1.0))  # needs 3 blocks
+    out = step(s)
+    assert out.preempted_ids == ["bg"] and [r.request_id for r in out.requests] == ["ia"]
+    # Now background waits for interactive, and does not push it out.
+    out = step(s)
+    assert out.preempted_ids == [] and "ia" in [r.request_id for r in out.requests]
+    assert s.requests["bg"].status == RequestStatus.WAITING
+
+
+def test_background_prefill_yields_budget_to_waiting_interactive():
+    s, _ = sched(num_blocks=64, budget=16)
+    s.add_request(make("bg", 64, BACKGROUND, arrival=0.0))
+    step(s)  # 16 of 64 prompt tokens
+    s.add_request(make("ia", 10, INTERACTIVE, arrival=1.0))
+    out = step(s)
+    assert [(r.request_id, r.num_tokens) for r in out.requests] == [("ia", 10)]
+    out = step(s)  # interactive decodes (1 token), background prefill resumes with the rest
+    assert [(r.request_id, r.num_tokens) for r in out.requests] == [("ia", 1), ("bg", 15)]
+
+
+def test_aging_lets_old_background_work_ahead():
+    now = time.monotonic()
+    s, _ = sched(max_seqs=1, aging=5.0)
+    s.add_request(make("bg", 4, BACKGROUND, arrival=now - 60.0))  # 12 levels: ahead of 0
+    s.add_request(make("ia", 4, INTERACTIVE, arrival=now))
+    out = step(s)
+    assert [r.request_id for r in out.requests] == ["bg"]
