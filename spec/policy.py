@@ -104,36 +104,43 @@ class SpeculationPolicy:
     probe_interval: int = 16
     probe_below_alpha: float = 0.3  # probe only requests refused for low acceptance
     draft_cost: StepCost | None = None
+    # Background tokens count this much in the batch's rate: when drafting stops paying for
+    # everyone (a saturated batch), background requests lose their drafts first.
+    background_weight: float = 0.25
 
     def allocate(self, alphas: Sequence[float], available: Sequence[int],
-                 num_plain_tokens: int, uses_draft: Sequence[bool] | None = None) -> list[int]:
+                 num_plain_tokens: int, uses_draft: Sequence[bool] | None = None,
+                 weights: Sequence[float] | None = None) -> list[int]:
         """Draft counts per request. ``available[i]``: drafts request i could verify (proposer
         output, already capped); ``num_plain_tokens``: the step's tokens without drafts;
         ``uses_draft[i]``: request i's drafts come from the draft model, whose cost is one
-        batched forward per draft position (``depth`` = the deepest such request)."""
+        batched forward per draft position (``depth`` = the deepest such request);
+        ``weights[i]``: what request i's tokens are worth (1 interactive, less background)."""
         uses_draft = uses_draft or [False] * len(alphas)
+        w = weights or [1.0] * len(alphas)
+        base = float(sum(w))
         model_ids = sorted((i for i, d in enumerate(uses_draft)
                             if d and available[i] > 0 and alphas[i] > self.min_alpha),
                            key=lambda i: -alphas[i])
-        best = _Plan([0] * len(alphas), float(len(alphas)), max(num_plain_tokens, 1), 0.0)
-        best = self._add_free_drafts(best, alphas, available, uses_draft)
+        best = _Plan([0] * len(alphas), base, max(num_plain_tokens, 1), 0.0)
+        best = self._add_free_drafts(best, alphas, available, uses_draft, w)
         for depth in range(1, self.max_k + 1 if model_ids else 1):
-            plan = _Plan([0] * len(alphas), float(len(alphas)), max(num_plain_tokens, 1), 0.0)
+            plan = _Plan([0] * len(alphas), base, max(num_plain_tokens, 1), 0.0)
             for taken, i in enumerate(model_ids, start=1):
                 trial = plan.with_draft_model(i, min(depth, available[i], self.max_k),
-                                              alphas[i], depth, taken, self.draft_cost)
+                                              alphas[i], depth, taken, self.draft_cost, w[i])
                 if trial.rate(self.cost) <= plan.rate(self.cost):
                     break
                 plan = trial
-            plan = self._add_free_drafts(plan, alphas, available, uses_draft)
+            plan = self._add_free_drafts(plan, alphas, available, uses_draft, w)
             if plan.rate(self.cost) > best.rate(self.cost):
                 best = plan
         return best.ks
 
     def _add_free_drafts(self, plan: _Plan, alphas: Sequence[float], available: Sequence[int],
-                         uses_draft: Sequence[bool]) -> _Plan:
+                         uses_draft: Sequence[bool], weights: Sequence[float]) -> _Plan:
         """Grant n-gram drafts one at a time by marginal gain while the rate improves."""
-        heap = [(-a, i) for i, a in enumerate(alphas)
+        heap = [(-a * weights[i], i) for i, a in enumerate(alphas)
                 if not uses_draft[i] and available[i] > 0 and a > self.min_alpha]
         heapq.heapify(heap)
         while heap:
@@ -166,10 +173,10 @@ class _Plan:
         return _Plan(ks, self.tokens + gain, self.n + 1, self.draft_seconds)
 
     def with_draft_model(self, i: int, k: int, alpha: float, depth: int, batch: int,
-                         draft_cost: StepCost | None) -> _Plan:
+                         draft_cost: StepCost | None, weight: float = 1.0) -> _Plan:
         """Request ``i`` drafts ``k`` tokens with the model; ``batch`` requests now do."""
         ks = list(self.ks)
         ks[i] = k
-        gain = sum(alpha ** j for j in range(1, k + 1))
+        gain = weight * sum(alpha ** j for j in range(1, k + 1))
         seconds = depth * draft_cost(batch) if draft_cost is not None else 0.0
         return _Plan(ks, self.tokens + gain, self.n + k, seconds)

@@ -112,7 +112,9 @@ class Speculator:
             return
         ks = self.policy.allocate([c.tracker.alpha for c in candidates],
                                   [c.available for c in candidates], num_plain_tokens,
-                                  [c.drafts is None for c in candidates])
+                                  [c.drafts is None for c in candidates],
+                                  [1.0 if c.request.priority <= 0 else
+                                   self.policy.background_weight for c in candidates])
         by_model: list[tuple[Request, int]] = []
         for c, k in zip(candidates, ks, strict=True):
             c.tracker.steps_since_probe += 1

@@ -58,3 +58,13 @@ def test_tracker_counts_only_tested_drafts():
     assert t.alpha == pytest.approx(1.0)
     t.update(num_drafted=3, num_accepted=0)
     assert t.alpha == pytest.approx(0.0)
+
+
+def test_background_requests_lose_drafts_first_when_the_batch_is_saturated():
+    # Flat up to 8 tokens, then every token costs as much as a whole step.
+    cost = StepCost((1, 8, 9, 1024), (1.0, 1.0, 2.0, 1017.0))
+    policy = SpeculationPolicy(cost, max_k=4)
+    ks = policy.allocate([0.7, 0.9, 0.9], [4, 4, 4], num_plain_tokens=3,
+                         weights=[1.0, 0.25, 0.25])
+    assert ks[0] == 4 and sum(ks) == 5  # the interactive request first, then the best rest
+    assert policy.allocate([0.9] * 3, [4] * 3, 3, weights=[1.0] * 3) != ks
