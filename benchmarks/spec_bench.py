@@ -166,7 +166,7 @@ def agreement(off: list[list[int]], on: list[list[int]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------- output
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(rows: list[dict[str, Any]], path: Path, title: str, metric: str = "speedup") -> None:
     fig, ax = new_figure(10.0, 4.8)
     names = list(dict.fromkeys(r["category"] for r in rows))
     series = list(dict.fromkeys((r["method"], r["concurrency"]) for r in rows))
@@ -175,14 +175,15 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         by_name = {r["category"]: r for r in rows
                    if r["concurrency"] == c and r["method"] == method}
         xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(names))]
-        ys = [by_name[n]["speedup"] for n in names]
+        ys = [by_name[n][metric] for n in names]
         bars = ax.bar(xs, ys, width, label=f"{method}, concurrency {c}", color=f"C{j}")
         ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=6, padding=1)
     ax.axhline(1.0, color="black", lw=1)
     ax.axhline(0.95, color="grey", ls=":", lw=1, label="0.95x (slowest allowed)")
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels([n.replace("_", "\n") for n in names], fontsize=8)
-    ax.set_ylabel("speed-up vs speculation off (wall clock)")
+    ax.set_ylabel("speed-up vs speculation off ("
+                  + ("wall clock" if metric == "speedup" else "decode phase") + ")")
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -223,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, default=PROMPTS_PATH)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 on a contended CPU)")
+    p.add_argument("--plot", default="speedup", choices=["speedup", "decode_speedup"],
+                   help="what the PNG shows (wall clock or decode phase speed-up)")
     p.add_argument("--tag", default=None, help="results file suffix: spec_bench_<tag>.json")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
@@ -418,7 +421,7 @@ def report(args: argparse.Namespace, info: dict[str, Any], engine: LLMEngine,
     png_path = out_dir / f"{stem}.png"
     name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     plot(rows, png_path, f"speculation speed-up, {name} {args.dtype}, greedy, max {n} tokens"
-         f"\n{info['cpu_model']}, {info['usable_cores']} cores")
+         f"\n{info['cpu_model']}, {info['usable_cores']} cores", args.plot)
     if final:
         print(f"wrote {json_path} and {png_path}\n", file=sys.stderr)
         print(table(rows))
