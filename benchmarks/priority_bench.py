@@ -141,7 +141,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     llm = AsyncLLM.from_config(EngineConfig(
         model=args.model, dtype=args.dtype, num_threads=args.threads,
-        max_num_seqs=args.max_num_seqs), progress=False)
+        max_num_seqs=args.max_num_seqs,
+        # the interactive and background loads draw from one prompt set: no cache hits
+        enable_prefix_caching=False), progress=False)
     data = json.loads(PROMPTS.read_text())["categories"]
     convs = [c["messages"] for items in data.values() for c in items]
     prompts = [llm.engine.apply_chat_template(m) for m in convs]

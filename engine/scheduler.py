@@ -66,17 +66,24 @@ class RequestUpdate:
     finished: bool
 
 
+INTERACTIVE = 0  # priorities <= this are interactive; greater ones are background
+
+
 class Scheduler:
     """``priority_aging_s``: a waiting request's effective priority improves by one level per
     this many seconds (background work is never starved forever); None = no aging."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, priority_aging_s: float | None = 30.0) -> None:
+                 max_model_len: int, priority_aging_s: float | None = 30.0,
+                 max_background_seqs_with_interactive: int = 4) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.priority_aging_s = priority_aging_s
+        # While interactive work runs, at most this many background requests share its steps:
+        # a small batch costs about what one sequence costs, a full one slows every token.
+        self.max_background_seqs_with_interactive = max_background_seqs_with_interactive
         self.waiting: list[Request] = []  # ordered by (effective priority, arrival)
         self.running: list[Request] = []  # ordered likewise at every schedule()
         self.requests: dict[str, Request] = {}
@@ -123,6 +130,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         urgent = self._key(self.waiting[0])[0] if self.waiting else None
+        interactive = any(r.priority <= INTERACTIVE for r in (*self.running, *self.waiting))
+        background_left = self.max_background_seqs_with_interactive if interactive else None
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -130,6 +139,10 @@ class Scheduler:
             if urgent is not None and self._key(request)[0] > urgent \
                     and request.num_tokens - request.num_computed_tokens > 1:
                 continue  # a less urgent prefill yields its budget to waiting work
+            if background_left is not None and request.priority > INTERACTIVE:
+                if background_left == 0:
+                    continue  # paused (keeps its blocks) while interactive work runs
+                background_left -= 1
             self._trim_drafts(request, budget)
             num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, preempted):

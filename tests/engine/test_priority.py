@@ -85,3 +85,17 @@ def test_aging_lets_old_background_work_ahead():
     s.add_request(make("ia", 4, INTERACTIVE, arrival=now))
     out = step(s)
     assert [r.request_id for r in out.requests] == ["bg"]
+
+
+def test_few_background_requests_share_steps_with_interactive_ones():
+    s, _ = sched(num_blocks=64, max_seqs=8, budget=64)
+    s.max_background_seqs_with_interactive = 2
+    for i in range(5):
+        s.add_request(make(f"bg{i}", 4, BACKGROUND, arrival=float(i)))
+    step(s)
+    assert len(step(s).requests) == 5  # alone, the batch job uses every slot
+    s.add_request(make("ia", 4, INTERACTIVE, arrival=9.0))
+    step(s)
+    ids = [r.request_id for r in step(s).requests]
+    assert ids == ["ia", "bg0", "bg1"]  # the oldest background requests keep progressing
+    assert len(s.running) == 6  # the others are paused, not preempted
