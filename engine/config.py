@@ -42,8 +42,8 @@ class EngineConfig:
     ngram_max: int = 4
     # A waiting request gains one priority level per this many seconds (None: no aging).
     priority_aging_s: float | None = 30.0
-    # While interactive requests run, at most this many background requests join their steps.
-    max_background_seqs_with_interactive: int = 4
+    # While interactive requests run, background requests get at most this many tokens a step.
+    max_background_tokens_with_interactive: int = 8
     enable_prefix_caching: bool = True  # share full KV blocks between equal prefixes
     measure_step_cost: bool = True  # time forward passes at start-up for the spec policy
 
@@ -62,8 +62,8 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
-        if self.max_background_seqs_with_interactive < 0:
-            raise ConfigError("max_background_seqs_with_interactive must be >= 0")
+        if self.max_background_tokens_with_interactive < 0:
+            raise ConfigError("max_background_tokens_with_interactive must be >= 0")
         if self.priority_aging_s is not None and self.priority_aging_s <= 0:
             raise ConfigError("priority_aging_s must be positive or None")
         if self.attention_backend not in ("auto", "torch"):

@@ -75,15 +75,17 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, priority_aging_s: float | None = 30.0,
-                 max_background_seqs_with_interactive: int = 4) -> None:
+                 max_background_tokens_with_interactive: int = 8) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.priority_aging_s = priority_aging_s
-        # While interactive work runs, at most this many background requests share its steps:
-        # a small batch costs about what one sequence costs, a full one slows every token.
-        self.max_background_seqs_with_interactive = max_background_seqs_with_interactive
+        # While interactive work runs, background requests share at most this many tokens of
+        # each step: a few extra rows cost about nothing (the CPU GEMV reads the weights once
+        # per 8 rows), a full batch or a prefill chunk would slow every interactive token.
+        self.max_background_tokens_with_interactive = max_background_tokens_with_interactive
+        self._background_budget: int | None = None  # this step's; None = no cap
         self.waiting: list[Request] = []  # ordered by (effective priority, arrival)
         self.running: list[Request] = []  # ordered likewise at every schedule()
         self.requests: dict[str, Request] = {}
@@ -131,7 +133,8 @@ class Scheduler:
         preempted: list[str] = []
         urgent = self._key(self.waiting[0])[0] if self.waiting else None
         interactive = any(r.priority <= INTERACTIVE for r in (*self.running, *self.waiting))
-        background_left = self.max_background_seqs_with_interactive if interactive else None
+        self._background_budget = \
+            self.max_background_tokens_with_interactive if interactive else None
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -139,16 +142,16 @@ class Scheduler:
             if urgent is not None and self._key(request)[0] > urgent \
                     and request.num_tokens - request.num_computed_tokens > 1:
                 continue  # a less urgent prefill yields its budget to waiting work
-            if background_left is not None and request.priority > INTERACTIVE:
-                if background_left == 0:
-                    continue  # paused (keeps its blocks) while interactive work runs
-                background_left -= 1
-            self._trim_drafts(request, budget)
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            cap = self._cap(request, budget)
+            if cap == 0:
+                continue  # background paused (keeps its blocks) while interactive work runs
+            self._trim_drafts(request, cap)
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, cap)
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # `request` itself was preempted; everything after it too
             scheduled.append(self._schedule_one(request, num_new))
             budget -= num_new
+            self._spend(request, num_new)
         budget = self._admit_waiting(budget, scheduled, preempted)
         return SchedulerOutput(scheduled, preempted)
 
@@ -159,15 +162,20 @@ class Scheduler:
         kv_pressure = bool(preempted)  # running work already needed preemption this step
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            cap = self._cap(request, budget)
+            if cap == 0 or request.request_id in preempted:
+                break  # background waits while interactive work has used its share; and
+                # what was preempted this step does not come back in the same step
             admitted = not kv_pressure and len(self.running) < self.max_num_seqs \
-                and self._admit(request, budget)
+                and self._admit(request, cap)
             if admitted:
                 self.waiting.pop(0)
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                num_new = min(request.num_tokens - request.num_computed_tokens, cap)
                 scheduled.append(self._schedule_one(request, num_new))
                 budget -= num_new
+                self._spend(request, num_new)
                 continue
             victim = self._less_urgent_victim(request)
             if victim is None:
@@ -179,6 +187,17 @@ class Scheduler:
             self.waiting.sort(key=self._key)
             kv_pressure = False
         return budget
+
+    def _cap(self, request: Request, budget: int) -> int:
+        """Tokens ``request`` may take this step: the budget, or less for background work
+        while interactive work runs."""
+        if self._background_budget is None or request.priority <= INTERACTIVE:
+            return budget
+        return min(budget, self._background_budget)
+
+    def _spend(self, request: Request, num_tokens: int) -> None:
+        if self._background_budget is not None and request.priority > INTERACTIVE:
+            self._background_budget -= num_tokens
 
     def _admit(self, request: Request, budget: int) -> bool:
         """Allocate the waiting head's first chunk, starting after its cached prefix."""
