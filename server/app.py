@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from server import openai_api
+from server.batch_api import BatchService
 from server.errors import ProtocolError
 from server.gateway import EngineFactory, Gateway, default_engine_factory
 from server.guard import LOCALHOST_ORIGIN_REGEX, Guard
@@ -36,16 +37,22 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
     ]
+    # --- batch jobs (server/batch_api.py): routes, and the worker runs inside the lifespan ---
+    batches = BatchService(settings, gw)
+    routes += batches.routes()
+    lifespan = batches.lifespan(gw.lifespan)
+    # --- end batch jobs ---
     middleware = [
         Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                    allow_origin_regex=LOCALHOST_ORIGIN_REGEX, allow_methods=["GET", "POST"],
                    allow_headers=["Authorization", "Content-Type"]),
         Middleware(Guard, settings=settings),
     ]
-    app = Starlette(routes=routes, middleware=middleware, lifespan=gw.lifespan,
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={ProtocolError: openai_api.protocol_error_handler,
                                         HTTPException: http_error, Exception: server_error})
     app.state.gateway = gw
+    app.state.batches = batches
     return app
 
 

@@ -13,6 +13,7 @@ from engine.async_engine import AsyncLLM
 from engine.config import DTYPES, SPECULATION_METHODS, ConfigError, EngineConfig
 from engine.loader import ModelLoadError
 from engine.sampling_params import InvalidParameterError, SamplingParams
+from server.batch_cli import add_batch_parser
 from server.models_cli import add_models_parser
 from server.serve import add_serve_parser
 
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=run_generate)
     add_models_parser(sub)
     add_serve_parser(sub)
+    add_batch_parser(sub)
     return parser
 
 

@@ -47,6 +47,17 @@ def add_serve_parser(sub: Any) -> None:
                    help="seconds in-flight answers get to finish on SIGTERM")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    # --- batch jobs (docs/batch.md) ---
+    b = p.add_argument_group("batch jobs")
+    b.add_argument("--batch-db", default=None,
+                   help="SQLite file for batch jobs (default: batches.sqlite3 in "
+                        "$QUICKDRAFT_CACHE or ~/.cache/quickdraft)")
+    b.add_argument("--batch-max-in-flight", type=int, default=_DEFAULTS["batch_max_in_flight"],
+                   help="batch requests in the engine at once "
+                        f"(default {_DEFAULTS['batch_max_in_flight']})")
+    b.add_argument("--max-upload-size", type=int, default=_DEFAULTS["max_upload_size"],
+                   help=f"bytes per uploaded file (default {_DEFAULTS['max_upload_size']})")
+    # --- end batch jobs ---
     p.set_defaults(func=run_serve)
 
 
@@ -72,7 +83,17 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
         max_inflight_requests=args.max_inflight_requests,
         max_message_size=args.max_message_size,
         max_conversation_items=args.max_conversation_items,
-        drain_timeout=args.drain_timeout, log_level=args.log_level)
+        drain_timeout=args.drain_timeout, log_level=args.log_level,
+        **batch_settings(args))
+
+
+def batch_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The batch-job settings from the flags (the database path only when given)."""
+    kw: dict[str, Any] = {"batch_max_in_flight": args.batch_max_in_flight,
+                          "max_upload_size": args.max_upload_size}
+    if args.batch_db:
+        kw["batch_db_path"] = args.batch_db
+    return kw
 
 
 def run_serve(args: argparse.Namespace) -> int:

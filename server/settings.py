@@ -15,6 +15,16 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 _TOKEN_SAFE = re.compile(r"^[A-Za-z0-9._~!#$%&'*+^`|-]+$")
 
 
+# --- batch jobs (server/batch_api.py) ---
+def default_batch_db_path() -> str:
+    """``batches.sqlite3`` in the cache directory (``$QUICKDRAFT_CACHE`` or
+    ``~/.cache/quickdraft``)."""
+    from engine.loader import cache_root
+
+    return str(cache_root() / "batches.sqlite3")
+# --- end batch jobs ---
+
+
 class SettingsError(ValueError):
     """A gateway setting is invalid; the message names the setting."""
 
@@ -47,6 +57,11 @@ class ServerSettings:
     drain_timeout: float = 30.0  # seconds in-flight answers get to finish on SIGTERM
     max_conversation_items: int = 1024  # per WebSocket session
     log_level: str = "info"
+    # --- batch jobs (server/batch_api.py) ---
+    batch_db_path: str = field(default_factory=default_batch_db_path)  # created on first use
+    batch_max_in_flight: int = 8  # batch lines in the engine at once (background priority)
+    max_upload_size: int = 200 << 20  # bytes: one file uploaded to POST /v1/files
+    # --- end batch jobs ---
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -71,6 +86,16 @@ class ServerSettings:
                            tuple(normalize_origin(o) for o in self.allowed_origins))
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise SettingsError("served_model_name must not be blank")
+        # --- batch jobs ---
+        if not str(self.batch_db_path).strip():
+            raise SettingsError("batch_db_path must not be empty")
+        if self.batch_max_in_flight < 1:
+            raise SettingsError(f"batch_max_in_flight must be >= 1, "
+                                f"got {self.batch_max_in_flight}")
+        if not 1024 <= self.max_upload_size <= 1 << 32:
+            raise SettingsError("max_upload_size must be in [1 KiB, 4 GiB], "
+                                f"got {self.max_upload_size}")
+        # --- end batch jobs ---
 
     @staticmethod
     def _checked_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
