@@ -42,8 +42,9 @@ class EngineConfig:
     ngram_max: int = 4
     # A waiting request gains one priority level per this many seconds (None: no aging).
     priority_aging_s: float | None = 30.0
-    # While interactive requests run, background requests get at most this many tokens a step.
-    max_background_tokens_with_interactive: int = 8
+    # While interactive requests run, background requests get at most this many tokens a step
+    # (0: they pause, keeping their blocks, and run in the gaps; aging prevents starvation).
+    max_background_tokens_with_interactive: int = 0
     enable_prefix_caching: bool = True  # share full KV blocks between equal prefixes
     measure_step_cost: bool = True  # time forward passes at start-up for the spec policy
 

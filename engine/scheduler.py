@@ -75,15 +75,16 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, priority_aging_s: float | None = 30.0,
-                 max_background_tokens_with_interactive: int = 8) -> None:
+                 max_background_tokens_with_interactive: int = 0) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.priority_aging_s = priority_aging_s
         # While interactive work runs, background requests share at most this many tokens of
-        # each step: a few extra rows cost about nothing (the CPU GEMV reads the weights once
-        # per 8 rows), a full batch or a prefill chunk would slow every interactive token.
+        # each step (default 0: they pause; on a compute-bound CPU every extra row slows every
+        # interactive token). Aging lifts a long-waiting background request into the
+        # interactive class, so the batch job always progresses.
         self.max_background_tokens_with_interactive = max_background_tokens_with_interactive
         self._background_budget: int | None = None  # this step's; None = no cap
         self.waiting: list[Request] = []  # ordered by (effective priority, arrival)
@@ -191,12 +192,12 @@ class Scheduler:
     def _cap(self, request: Request, budget: int) -> int:
         """Tokens ``request`` may take this step: the budget, or less for background work
         while interactive work runs."""
-        if self._background_budget is None or request.priority <= INTERACTIVE:
-            return budget
+        if self._background_budget is None or self._key(request)[0] <= INTERACTIVE:
+            return budget  # interactive, or background aged into the interactive class
         return min(budget, self._background_budget)
 
     def _spend(self, request: Request, num_tokens: int) -> None:
-        if self._background_budget is not None and request.priority > INTERACTIVE:
+        if self._background_budget is not None and self._key(request)[0] > INTERACTIVE:
             self._background_budget -= num_tokens
 
     def _admit(self, request: Request, budget: int) -> bool:

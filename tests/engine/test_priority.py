@@ -20,9 +20,10 @@ def make(rid: str, n_prompt: int, priority: int, arrival: float, max_tokens: int
                    arrival_time=arrival, priority=priority)
 
 
-def sched(num_blocks=16, block_size=4, max_seqs=4, budget=32, aging=None):
+def sched(num_blocks=16, block_size=4, max_seqs=4, budget=32, aging=None, bg_tokens=8):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-    return Scheduler(kv, max_seqs, budget, 1000, priority_aging_s=aging), kv
+    return Scheduler(kv, max_seqs, budget, 1000, priority_aging_s=aging,
+                     max_background_tokens_with_interactive=bg_tokens), kv
 
 
 def step(s: Scheduler):
@@ -104,3 +105,13 @@ def test_background_shares_only_a_few_tokens_of_interactive_steps():
     s.add_request(make("bg-new", 30, BACKGROUND, arrival=10.0))
     out = step(s)
     assert all(r.request_id != "bg-new" for r in out.requests)  # no big prefill meanwhile
+
+
+def test_by_default_background_pauses_while_interactive_runs():
+    s, _ = sched(num_blocks=64, max_seqs=8, budget=64, bg_tokens=0)
+    s.add_request(make("bg", 8, BACKGROUND, arrival=0.0))
+    step(s)
+    s.add_request(make("ia", 4, INTERACTIVE, arrival=1.0))
+    assert [r.request_id for r in step(s).requests] == ["ia"]
+    assert [r.request_id for r in step(s).requests] == ["ia"]
+    assert s.requests["bg"].status == RequestStatus.RUNNING  # paused, blocks kept
