@@ -42,6 +42,28 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
     routes += batches.routes()
     lifespan = batches.lifespan(gw.lifespan)
     # --- end batch jobs ---
+    # --- browser chat UI (web/, docs/web.md): "/" and /static/*; open without an API key (the
+    # page asks for one when /v1/ws closes with 1008). CSP: only this server's scripts run. ---
+    import re
+    from pathlib import Path
+
+    from starlette.responses import FileResponse
+    from starlette.routing import Mount
+    from starlette.staticfiles import StaticFiles
+
+    web_dir = Path(__file__).resolve().parent.parent / "web"
+    if (web_dir / "index.html").is_file():
+        async def chat_page(request: Request) -> Response:
+            host = request.headers.get("host", "")
+            ws = f" ws://{host} wss://{host}" if re.fullmatch(r"[\w.:\[\]-]+", host) else ""
+            csp = ("default-src 'self'; script-src 'self'; style-src 'self'; "
+                   f"img-src 'self' data:; connect-src 'self'{ws}; object-src 'none'; "
+                   "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+            return FileResponse(web_dir / "index.html", headers={
+                "Content-Security-Policy": csp, "Cache-Control": "no-cache",
+                "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
+        routes += [Route("/", chat_page), Mount("/static", StaticFiles(directory=web_dir))]
+    # --- end browser chat UI ---
     middleware = [
         Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                    allow_origin_regex=LOCALHOST_ORIGIN_REGEX, allow_methods=["GET", "POST"],
