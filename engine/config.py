@@ -45,6 +45,9 @@ class EngineConfig:
     # While interactive requests run, background requests get at most this many tokens a step
     # (0: they pause, keeping their blocks, and run in the gaps; aging prevents starvation).
     max_background_tokens_with_interactive: int = 0
+    # Background requests' tokens per step otherwise (short steps: an arriving interactive
+    # request waits at most one short step).
+    max_background_tokens_per_step: int = 64
     enable_prefix_caching: bool = True  # share full KV blocks between equal prefixes
     measure_step_cost: bool = True  # time forward passes at start-up for the spec policy
 
@@ -63,6 +66,8 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.max_background_tokens_per_step < 1:
+            raise ConfigError("max_background_tokens_per_step must be >= 1")
         if self.max_background_tokens_with_interactive < 0:
             raise ConfigError("max_background_tokens_with_interactive must be >= 0")
         if self.priority_aging_s is not None and self.priority_aging_s <= 0:

@@ -64,7 +64,8 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.priority_aging_s,
-                                   config.max_background_tokens_with_interactive)
+                                   config.max_background_tokens_with_interactive,
+                                   config.max_background_tokens_per_step)
         architecture = (hf_config.architectures or [hf_config.model_type])[0]
         self.info = ModelInfo(str(model_dir), architecture, self.max_model_len,
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)

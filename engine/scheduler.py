@@ -75,7 +75,8 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, priority_aging_s: float | None = 30.0,
-                 max_background_tokens_with_interactive: int = 0) -> None:
+                 max_background_tokens_with_interactive: int = 0,
+                 max_background_tokens_per_step: int = 64) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -86,6 +87,9 @@ class Scheduler:
         # interactive token). Aging lifts a long-waiting background request into the
         # interactive class, so the batch job always progresses.
         self.max_background_tokens_with_interactive = max_background_tokens_with_interactive
+        # Without interactive work, background steps stay short anyway, so that an arriving
+        # interactive request never waits long for the step in flight to finish.
+        self.max_background_tokens_per_step = max_background_tokens_per_step
         self._background_budget: int | None = None  # this step's; None = no cap
         self.waiting: list[Request] = []  # ordered by (effective priority, arrival)
         self.running: list[Request] = []  # ordered likewise at every schedule()
@@ -134,8 +138,8 @@ class Scheduler:
         preempted: list[str] = []
         urgent = self._key(self.waiting[0])[0] if self.waiting else None
         interactive = any(r.priority <= INTERACTIVE for r in (*self.running, *self.waiting))
-        self._background_budget = \
-            self.max_background_tokens_with_interactive if interactive else None
+        self._background_budget = (self.max_background_tokens_with_interactive if interactive
+                                   else self.max_background_tokens_per_step)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

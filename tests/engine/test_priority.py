@@ -115,3 +115,12 @@ def test_by_default_background_pauses_while_interactive_runs():
     assert [r.request_id for r in step(s).requests] == ["ia"]
     assert [r.request_id for r in step(s).requests] == ["ia"]
     assert s.requests["bg"].status == RequestStatus.RUNNING  # paused, blocks kept
+
+
+def test_background_steps_stay_short_without_interactive_work():
+    s, _ = sched(num_blocks=64, max_seqs=8, budget=64)
+    s.max_background_tokens_per_step = 12
+    s.add_request(make("bg", 40, BACKGROUND, arrival=0.0))
+    assert [r.num_tokens for r in step(s).requests] == [12]
+    s.add_request(make("ia", 40, INTERACTIVE, arrival=1.0))
+    assert [(r.request_id, r.num_tokens) for r in step(s).requests] == [("ia", 40)]
