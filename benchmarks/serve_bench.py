@@ -388,6 +388,8 @@ def server_process(args: argparse.Namespace) -> Iterator[tuple[str, list[str]]]:
     for name in ENGINE_FLAGS:
         if (value := getattr(args, name)) is not None:
             cmd += ["--" + name.replace("_", "-"), str(value)]
+    if not args.prefix_caching:  # transports rerun the same prompts: keep them all cold
+        cmd.append("--no-prefix-caching")
     cpus = args.server_cpus
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent,
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)

@@ -35,6 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="speculative decoding method (output is identical either way; "
                    "default: combined with a draft model, else ngram)")
     g.add_argument("--num-speculative-tokens", type=int, default=4)
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt in full (no KV sharing between requests)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -44,7 +46,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         seed=args.seed, draft_model=args.draft_model,
         speculation=args.speculation or default_speculation(args.draft_model),
-        num_speculative_tokens=args.num_speculative_tokens)
+        num_speculative_tokens=args.num_speculative_tokens,
+        enable_prefix_caching=args.prefix_caching)
 
 
 def default_speculation(draft_model: str | None) -> str:
