@@ -64,12 +64,23 @@ class Connection:
         self._send_lock = asyncio.Lock()
         self._start_lock = asyncio.Lock()
         self._ready = asyncio.Event()  # set: connected and restored, or failed for good
+        self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget, kept until done
         self._failure: QuickdraftError | None = None
         self._closing = False
         self._supervisor: asyncio.Task[None] | None = None
         self._slots: asyncio.Semaphore | None = None
 
     # ------------------------------------------------------------------ state
+
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in the background (a cancel on the server after the caller left)."""
+        try:
+            task = asyncio.ensure_future(coro)
+        except RuntimeError:  # no running loop (interpreter shutdown): nothing left to cancel
+            coro.close()
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def connected(self) -> bool:

@@ -19,19 +19,6 @@ from client.errors import APIError, ConnectionClosedError, QuickdraftError
 from client.events import ResponseCreated, ResponseDone, ResponseEvent, TextDelta
 
 JSON = dict[str, Any]
-_background: set[asyncio.Task[Any]] = set()  # fire-and-forget tasks, kept alive until done
-
-
-def spawn(coro: Any) -> None:
-    try:
-        task = asyncio.ensure_future(coro)
-    except RuntimeError:  # no running loop (interpreter shutdown): nothing left to cancel
-        coro.close()
-        return
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
 class ResponseStream:
     """A response of the server; iterate it once (one consumer)."""
 
@@ -95,7 +82,7 @@ class ResponseStream:
                     yield event
         finally:
             if not self._finished:
-                spawn(self.aclose())  # left early: cancel it on the server
+                self._conn.spawn(self.aclose())  # left early: cancel it on the server
 
     async def events(self) -> AsyncIterator[ResponseEvent]:
         """Every typed event: ResponseCreated, TextDeltas, then ResponseDone."""
@@ -104,7 +91,7 @@ class ResponseStream:
                 yield event
         finally:
             if not self._finished:
-                spawn(self.aclose())
+                self._conn.spawn(self.aclose())
 
     async def next_event(self) -> ResponseEvent | None:
         """The next event; None once the response is done."""
@@ -137,7 +124,7 @@ class ResponseStream:
         if kind == "response.created":
             self.created = ResponseCreated.from_event(event)
             if self._cancel_requested or self._failure is not None:
-                spawn(self._send_cancel())
+                self._conn.spawn(self._send_cancel())
             return self.created
         if kind == "response.done":
             return self._on_done(ResponseDone.from_event(event))
@@ -166,7 +153,7 @@ class ResponseStream:
         # A message item failed (the response then runs on a partial conversation: cancel
         # it), or the response failed (its response.done follows).
         if self.created is not None and event.get("response_id") is None:
-            spawn(self._send_cancel())
+            self._conn.spawn(self._send_cancel())
 
     def _finish(self) -> None:
         self._finished = True
