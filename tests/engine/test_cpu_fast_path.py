@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import Linear
+from engine.models.llama import Fp32Scratch, Linear
 from kernels import cpu_fused, cpu_gemv
 
 
@@ -29,6 +29,28 @@ def test_fast_path_matches_fp32_reference(rows, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
     assert (got == want).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_sliced_fp32_gemm_equals_one_whole_gemm(bias):
+    """Past the GEMV rows, the weights are converted slice by slice into a small reused
+    buffer: every output column is still the dot product one whole fp32 GEMM computes."""
+    torch.manual_seed(5)
+    layer = Linear(200, 96, bias, torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.normal_()
+        if layer.bias is not None:
+            layer.bias.normal_()
+    def no_gemv(*args: object) -> torch.Tensor:
+        raise AssertionError("70 rows must take the fp32 GEMM path")
+
+    layer.enable_cpu_fast_path(no_gemv, 8, gemv_rows=48, scratch=Fp32Scratch(96 * 7))
+    x = torch.randn(70, 96, dtype=torch.bfloat16)
+    b = layer.bias.float() if layer.bias is not None else None
+    want = F.linear(x.float(), layer.weight.float(), b).to(torch.bfloat16)
+    got = layer(x)  # 29 weight slices of 7 rows
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    assert (got == want).float().mean() > 0.99
 
 
 @pytest.mark.skipif(not cpu_fused.available(), reason="fused CPU kernels not built here")
