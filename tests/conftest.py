@@ -3,11 +3,18 @@ that reuse its tokenizer, so engine tests run fast with real text."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# The Triton kernel tests run through Triton's CPU interpreter when there is no GPU. The
+# switch is read when triton is first imported, and transformers may import it while other
+# test modules are collected, so it is set here, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine import loader
 

@@ -1,0 +1,68 @@
+"""What the Triton kernel modules share: the optional import of triton, and rounding helpers.
+
+Importing this module never fails: without triton, :data:`triton` is None, :data:`tl` is a
+stub with just enough of ``triton.language`` to *define* the kernels (their annotations), and
+:data:`jit` leaves functions as they are.
+
+Triton decides at decoration time whether a kernel runs compiled or in its interpreter
+(``TRITON_INTERPRET=1``, CPU tensors): the variable must be set before the kernel modules are
+imported. :data:`INTERPRET` records the mode the kernels were defined in.
+"""
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+try:  # triton is optional: the CPU engine never needs it
+    import triton
+    import triton.language as tl
+
+    jit: Callable[..., Any] = triton.jit
+    try:
+        INTERPRET = bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # triton < 3.4: no knobs, the variable is read as it is here
+        INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+except ImportError:  # pragma: no cover - exercised only without triton
+    triton = None
+    INTERPRET = False
+
+    class _TlStub:
+        """Just enough of ``triton.language`` for kernel signatures to be defined."""
+
+        constexpr = object
+
+    tl = _TlStub()  # type: ignore[assignment]
+
+    def jit(fn: Any = None, **_: Any) -> Any:
+        return fn if fn is not None else (lambda f: f)
+
+
+def available() -> bool:
+    """True when triton imported. Running the kernels also needs a GPU, or
+    ``TRITON_INTERPRET=1`` set before the kernel modules were imported (then they run on CPU
+    tensors, slowly). Never raises."""
+    return triton is not None
+
+
+def require(what: str) -> None:
+    if triton is None:
+        raise RuntimeError(f"{what} needs triton (pip install triton)")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@jit
+def round_to(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """fp32 ``x`` rounded to nearest-even in DTYPE (as torch and the GPU's ``cvt.rn`` do).
+
+    EMULATE_RTNE: the interpreter of triton 3.x truncates fp32 -> bf16 conversions (it only
+    handles fp16 through numpy), so under it bf16 is rounded with integer operations. Finite
+    values only (NaN payloads may become inf). Compiled kernels pass False."""
+    if EMULATE_RTNE and DTYPE == tl.bfloat16:  # noqa: SIM300 (a constexpr, not Yoda)
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)

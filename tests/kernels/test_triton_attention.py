@@ -1,0 +1,237 @@
+"""kernels.triton_attention against the plain-torch references of kernels.paged_attention_ref.
+
+Runs on CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``, set below before
+triton is imported unless the environment says otherwise); skipped without triton. On a GPU
+machine, ``TRITON_INTERPRET=0 pytest tests/kernels/test_triton_attention.py`` runs the same
+tests compiled, on CUDA tensors. Shapes are small: the interpreter runs every program of
+the grid in Python.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton (and our kernels) are imported
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import paged_attention_ref as ref
+from kernels import triton_attention as ta
+
+if ta.interpreting():
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("TRITON_INTERPRET is off and there is no GPU", allow_module_level=True)
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# max abs error vs the naive reference (fp32 math on the same inputs, rounded to the dtype;
+# inputs ~N(0, 1), outputs |.| < ~2): fp32 is the online softmax's rounding only (measured
+# ~1e-6); half types also round P to the input dtype before P @ V: one or two output ulps
+# (about what the torch path's own bf16 error is).
+TOL = {F32: 5e-6, F16: 2e-3, BF16: 1.6e-2}
+
+
+def _step(q_lens, ctx_lens, block_size, heads, kv_heads, dim, dtype, seed=0):
+    """A random step: shuffled (non-contiguous) blocks, the new tokens' K/V already written."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in ctx_lens]
+    kv_cache = torch.randn(2, num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    meta = ref.build_metadata(qsl, list(ctx_lens), tables, block_size)
+    query = torch.randn(qsl[-1], heads, dim, generator=gen).to(dtype)
+    return query.to(DEVICE), kv_cache.to(DEVICE), meta
+
+
+def _check(got, query, kv_cache, meta, scale):
+    want = ref.naive_attention(query.cpu(), kv_cache.cpu(), meta, scale)
+    assert got.shape == query.shape and got.dtype == query.dtype
+    assert torch.isfinite(got).all()
+    err = (got.cpu().float() - want.float()).abs().max().item()
+    assert err <= TOL[query.dtype], f"max abs error {err}"
+
+
+MIXED = ([4, 1, 30, 3], [10, 17, 45, 3])  # verification + decode + prefill chunk + fresh
+
+STEPS = {
+    "decode-1": ([1], [1]),
+    "decode-ragged": ([1, 1, 1], [9, 33, 20]),
+    "verify": ([4, 4], [37, 16]),  # k+1 = 4 tokens after a cached prefix
+    "fresh-prefill": ([23], [23]),
+    "chunked-prefill": ([20], [50]),  # second chunk of a prompt
+    "mixed": MIXED,
+    "mixed-2": ([1, 5, 17, 1], [64, 21, 40, 1]),
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)], ids=["gqa1", "gqa3"])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_mixed_step_matches_naive(dtype, heads, kv_heads, block_size):
+    query, kv_cache, meta = _step(*MIXED, block_size, heads, kv_heads, 64, dtype)
+    got = ta.paged_attention(query, kv_cache, meta, 64**-0.5, num_splits=1)
+    _check(got, query, kv_cache, meta, 64**-0.5)
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_step_kinds_match_naive(name):
+    block_size = 5 if len(name) % 2 else 16
+    query, kv_cache, meta = _step(*STEPS[name], block_size, 6, 2, 64, F32, seed=len(name))
+    got = ta.paged_attention(query, kv_cache, meta, 0.1, num_splits=1)
+    _check(got, query, kv_cache, meta, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (6, 2)], ids=["gqa1", "gqa3"])
+@pytest.mark.parametrize("dim", [128, 80])  # 80: padded to 128 lanes, masked
+def test_other_head_dims(dtype, heads, kv_heads, dim):
+    query, kv_cache, meta = _step([3, 1, 9], [19, 40, 9], 16, heads, kv_heads, dim, dtype)
+    got = ta.paged_attention(query, kv_cache, meta, dim**-0.5, num_splits=1)
+    _check(got, query, kv_cache, meta, dim**-0.5)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 16), (32, 64)])
+def test_tile_sizes(block_m, block_n):
+    """Decode-sized query tiles on prefill rows and vice versa; KV tiles smaller and larger
+    than the cache blocks."""
+    query, kv_cache, meta = _step(*STEPS["mixed-2"], 16, 6, 2, 64, F32, seed=3)
+    got = ta.paged_attention(query, kv_cache, meta, 0.125, num_splits=1, block_m=block_m,
+                             block_n=block_n)
+    _check(got, query, kv_cache, meta, 0.125)
+
+
+def test_strided_query_from_fused_qkv():
+    """The model passes q as a column slice of the fused qkv output."""
+    heads, kv_heads, dim = 6, 2, 64
+    query, kv_cache, meta = _step(*MIXED, 16, heads, kv_heads, dim, BF16, seed=5)
+    qkv = torch.randn(query.shape[0], (heads + 2 * kv_heads) * dim, device=DEVICE).to(BF16)
+    qkv[:, : heads * dim] = query.reshape(query.shape[0], -1)
+    q_view = qkv[:, : heads * dim].view(-1, heads, dim)
+    assert not q_view.is_contiguous()
+    got = ta.paged_attention(q_view, kv_cache, meta, 0.125, num_splits=1)
+    _check(got, query, kv_cache, meta, 0.125)
+
+
+# -------------------------------------------------------------------------------- split-KV
+
+SPLIT_CASES = {
+    "long-decode": ([1], [300], 4),
+    "short-and-long": ([1, 1], [130, 20], 3),  # the short one leaves splits empty
+    "verify": ([4], [200], 5),
+    "more-splits-than-tiles": ([1, 2], [40, 7], 8),
+    "mixed": (*MIXED, 2),  # prefill rows through the split path too
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_kv_matches_naive(name, dtype):
+    q_lens, ctx_lens, splits = SPLIT_CASES[name]
+    heads, kv_heads = (6, 2) if len(name) % 2 else (4, 4)
+    block_size = 16 if dtype == F32 else 5
+    query, kv_cache, meta = _step(q_lens, ctx_lens, block_size, heads, kv_heads, 64, dtype)
+    got = ta.paged_attention(query, kv_cache, meta, 0.125, num_splits=splits)
+    _check(got, query, kv_cache, meta, 0.125)
+
+
+def test_split_kv_agrees_with_unsplit_fp32():
+    query, kv_cache, meta = _step([1, 3], [250, 90], 16, 6, 2, 128, F32, seed=7)
+    one = ta.paged_attention(query, kv_cache, meta, 0.09, num_splits=1)
+    many = ta.paged_attention(query, kv_cache, meta, 0.09, num_splits=6)
+    torch.testing.assert_close(many, one, atol=2e-6, rtol=2e-6)
+
+
+def test_choose_num_splits():
+    # a big batch or a prefill: no split
+    assert ta.choose_num_splits(64, 8, 1, 8192) == 1
+    assert ta.choose_num_splits(1, 8, 512, 8192) == 1
+    # short contexts: no split
+    assert ta.choose_num_splits(1, 8, 1, 200) == 1
+    # one long decode: split, bounded
+    n = ta.choose_num_splits(1, 8, 1, 8192)
+    assert 1 < n <= 16
+    assert ta.choose_num_splits(2, 8, 4, 2048) == 2048 // 256
+
+
+# -------------------------------------------------------------------------------- KV write
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_write_kv_matches_reference(dtype, block_size):
+    kv_heads, dim, heads = 2, 64, 6
+    _, cache, meta = _step(*MIXED, block_size, heads, kv_heads, dim, dtype, seed=11)
+    t = meta.num_tokens
+    # k and v as the model passes them: column slices of the fused qkv output
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim, device=DEVICE).to(dtype)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
+    want = cache.cpu().clone()
+    ref.write_kv(k.cpu(), v.cpu(), want, meta.slot_mapping)
+    got = cache.clone()
+    ta.write_kv(k, v, got, meta.slot_mapping)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_write_kv_skips_negative_slots_and_casts():
+    cache = torch.zeros(2, 3, 4, 2, 16, dtype=BF16, device=DEVICE)
+    k = torch.randn(3, 2, 16, device=DEVICE)  # fp32 into a bf16 cache
+    v = torch.randn(3, 2, 16, device=DEVICE)
+    ta.write_kv(k, v, cache, torch.tensor([5, -1, 0]))
+    flat = cache.view(2, 12, 2, 16).cpu()
+    assert torch.equal(flat[0, 5], k[0].cpu().to(BF16))
+    assert torch.equal(flat[1, 0], v[2].cpu().to(BF16))
+    assert int((flat != 0).any(-1).any(-1).sum()) == 4  # 2 slots x K and V, nothing else
+
+
+# ------------------------------------------------------------------ as the model's backend
+
+
+def test_plugs_in_as_the_model_backend():
+    """A tiny random Llama: one step (a prefill chunk and a decode row) through this module
+    as the attention backend, and kernels.triton_ops as its LayerOps, equals the torch path.
+    Not wiring: the engine still only selects the torch path."""
+    from transformers import LlamaConfig
+
+    from engine.models.llama import LayerOps, LlamaForCausalLM
+    from kernels import triton_ops
+
+    config = LlamaConfig(vocab_size=97, hidden_size=384, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                         head_dim=64, max_position_embeddings=256)
+    torch.manual_seed(0)
+    models = {}
+    for name, backend in (("torch", ref), ("triton", ta)):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config, F32, 256, backend)
+        for p in model.parameters():
+            p.data.normal_(0, 0.05)
+        models[name] = model
+    models["triton"].ops = LayerOps(triton_ops.rms_norm, triton_ops.add_rms_norm,
+                                    triton_ops.rope_neox_, triton_ops.silu_mul)
+    block_size, ctx_lens = 5, [12, 9]
+    tables = [[0, 1, 2], [3, 4]]
+    meta = ref.build_metadata([0, 7, 8], ctx_lens, tables, block_size)  # q_lens 7 and 1
+    ids = torch.randint(0, 97, (8,))
+    positions = torch.tensor([5, 6, 7, 8, 9, 10, 11, 8])
+    out = {}
+    for name, model in models.items():
+        device = DEVICE if name == "triton" else "cpu"
+        model.to(device)
+        # the cached prefix of both sequences: the same random K/V for both backends
+        gen = torch.Generator().manual_seed(1)
+        caches = [torch.randn(2, 6, block_size, 2, 64, generator=gen).to(device)
+                  for _ in range(2)]
+        with torch.no_grad():
+            out[name] = model(ids.to(device), positions.to(device), caches, meta).cpu()
+    torch.testing.assert_close(out["triton"], out["torch"], atol=1e-5, rtol=1e-5)
