@@ -42,6 +42,16 @@ def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> flo
     return median([time_call(fn) for _ in range(repeats)])
 
 
+def percentiles(values: Sequence[float], scale: float = 1.0) -> dict[str, float | None]:
+    """p50/p90/p99 of ``values`` times ``scale`` (None when there are none)."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    import numpy as np
+
+    p = np.percentile(np.asarray(values) * scale, [50, 90, 99])
+    return {"p50": float(p[0]), "p90": float(p[1]), "p99": float(p[2])}
+
+
 def summarize(values: Sequence[float]) -> dict[str, Any]:
     """Median, min, max and the raw values of a list of measurements."""
     return {"median": median(values), "min": min(values), "max": max(values),

@@ -36,6 +36,7 @@ from common import (
     machine_summary,
     markdown_table,
     new_figure,
+    percentiles,
     save_figure,
     write_json,
 )
@@ -46,17 +47,6 @@ from engine.sampling_params import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "spec_bench.json"
 SCENARIOS = ("idle", "priority", "fcfs")
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "n": 0}
-    xs = sorted(values)
-
-    def q(f: float) -> float:
-        return xs[min(int(f * len(xs)), len(xs) - 1)]
-
-    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "n": len(xs)}
 
 
 async def one(llm: AsyncLLM, ids: list[int], max_tokens: int, priority: int,

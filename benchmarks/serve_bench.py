@@ -65,6 +65,7 @@ from common import (
     machine_summary,
     markdown_table,
     new_figure,
+    percentiles,
     save_figure,
     write_json,
 )
@@ -184,13 +185,6 @@ async def drive(reqs: list[Request], send: Send, offsets: list[float],
         tasks.append(asyncio.create_task(one(req, rec)))
     await asyncio.gather(*tasks)
     return records, time.perf_counter() - t0
-
-
-def percentiles(values: list[float], scale: float) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    p = np.percentile(np.asarray(values) * scale, [50, 90, 99])
-    return {"p50": float(p[0]), "p90": float(p[1]), "p99": float(p[2])}
 
 
 def summarize(records: list[Record], duration: float, slo_ttft: float,

@@ -90,7 +90,7 @@ class Scheduler:
         # Without interactive work, background steps stay short anyway, so that an arriving
         # interactive request never waits long for the step in flight to finish.
         self.max_background_tokens_per_step = max_background_tokens_per_step
-        self._background_budget: int | None = None  # this step's; None = no cap
+        self._background_budget = 0  # this step's background tokens left (set in schedule)
         self.waiting: list[Request] = []  # ordered by (effective priority, arrival)
         self.running: list[Request] = []  # ordered likewise at every schedule()
         self.requests: dict[str, Request] = {}
@@ -196,12 +196,12 @@ class Scheduler:
     def _cap(self, request: Request, budget: int) -> int:
         """Tokens ``request`` may take this step: the budget, or less for background work
         while interactive work runs."""
-        if self._background_budget is None or self._key(request)[0] <= INTERACTIVE:
+        if self._key(request)[0] <= INTERACTIVE:
             return budget  # interactive, or background aged into the interactive class
         return min(budget, self._background_budget)
 
     def _spend(self, request: Request, num_tokens: int) -> None:
-        if self._background_budget is not None and self._key(request)[0] > INTERACTIVE:
+        if self._key(request)[0] > INTERACTIVE:
             self._background_budget -= num_tokens
 
     def _admit(self, request: Request, budget: int) -> bool:

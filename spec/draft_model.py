@@ -27,6 +27,7 @@ rejection sampler, which keeps the output distributed exactly as the target's.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -172,8 +173,6 @@ class DraftModelRunner:
     def time_forward(self, batch: int, context: int = 64) -> float:
         """Seconds for one draft step over ``batch`` requests (one token each) after
         ``context`` cached tokens. Uses the first blocks: call only while no request runs."""
-        import time
-
         per_seq = -(-(context + 1) // self.block_size)
         num_blocks = self.kv_caches[0].shape[1]
         if per_seq > num_blocks:
