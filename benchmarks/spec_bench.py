@@ -64,7 +64,7 @@ from common import (
     write_json,
 )
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, KERNEL_BACKENDS, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from spec.params import SPEC_METHODS, SpeculationParams
@@ -222,6 +222,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model dir, .gguf or fetched name")
     p.add_argument("--draft-model", default=None, help="draft for the draft/combined methods")
     p.add_argument("--prompts", type=Path, default=PROMPTS_PATH)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--kernel-backend", default="auto", choices=list(KERNEL_BACKENDS),
+                   help="auto (triton on CUDA, else torch), torch or triton (default auto)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 on a contended CPU)")
     p.add_argument("--plot", default="speedup", choices=["speedup", "decode_speedup"],
@@ -260,7 +263,8 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
                           draft_model=args.draft_model if uses_draft else None,
                           max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
                           speculation="combined" if uses_draft else "ngram",
-                          num_threads=args.threads,
+                          num_threads=args.threads, device=args.device,
+                          kernel_backend=args.kernel_backend,
                           # every method reruns the same prompts: cache hits would favour
                           # whichever method runs second
                           enable_prefix_caching=False)
@@ -396,7 +400,9 @@ def report(args: argparse.Namespace, info: dict[str, Any], engine: LLMEngine,
                        "num_speculative_tokens": cfg.num_speculative_tokens,
                        "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max,
                        "measure_step_cost": cfg.measure_step_cost,
-                       "num_threads": cfg.num_threads},
+                       "num_threads": cfg.num_threads, "device": cfg.device,
+                       "kernel_backend": cfg.kernel_backend,
+                       "backend": engine.runner.backend.describe()},
             "load_s": load_s,
         },
         "metrics": {

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
 SPECULATION_METHODS = ("off", "ngram", "draft", "combined")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,7 +36,14 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
-    attention_backend: str = "auto"  # auto | torch (the Triton backend arrives with the GPU path)
+    # Where the model runs: auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N.
+    device: str = "auto"
+    # auto (triton on CUDA when triton is installed, else torch) | torch | triton. The torch
+    # path is the reference (plus the C kernels on CPU); see engine/backend.py.
+    kernel_backend: str = "auto"
+    # Capture decode/verification steps as CUDA graphs (only on CUDA with the triton backend).
+    cuda_graphs: bool = True
+    cuda_graph_max_tokens: int = 256  # largest captured step, in tokens (bucketed below it)
     # off | ngram | draft | combined (draft and combined need draft_model). On by default:
     # the adaptive policy turns drafts down wherever they would not pay for themselves.
     speculation: str = "ngram"
@@ -72,9 +82,13 @@ class EngineConfig:
             raise ConfigError("max_background_tokens_with_interactive must be >= 0")
         if self.priority_aging_s is not None and self.priority_aging_s <= 0:
             raise ConfigError("priority_aging_s must be positive or None")
-        if self.attention_backend not in ("auto", "torch"):
-            raise ConfigError(f"attention_backend must be auto or torch, got "
-                              f"{self.attention_backend!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ConfigError(f"kernel_backend must be one of {list(KERNEL_BACKENDS)}, got "
+                              f"{self.kernel_backend!r}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not 1 <= self.cuda_graph_max_tokens <= 4096:
+            raise ConfigError("cuda_graph_max_tokens must be in [1, 4096]")
         if self.speculation not in SPECULATION_METHODS:
             raise ConfigError(f"speculation must be one of {list(SPECULATION_METHODS)}, "
                               f"got {self.speculation!r}")

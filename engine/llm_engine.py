@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import loader
+from engine.backend import KernelBackend, select_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager, cdiv
-from engine.model_runner import GEMV_MAX_ROWS, ModelRunner, select_attention_backend
+from engine.model_runner import GEMV_MAX_ROWS, ModelRunner
 from engine.outputs import RequestOutput, Usage
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidParameterError, SamplingParams
@@ -46,16 +47,20 @@ class ModelInfo:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, progress: bool = True,
+                 backend: KernelBackend | None = None) -> None:
+        """``backend``: the kernel backend (default: :func:`select_backend` of ``config``)."""
         self.config = config
         model_dir = loader.resolve_model(config.model, progress=progress)
         hf_config = loader.load_config(model_dir)
         self.tokenizer = loader.load_tokenizer(model_dir)
         self.eos_token_ids = loader.eos_token_ids(model_dir, hf_config, self.tokenizer)
         self.max_model_len = self._max_model_len(hf_config)
+        self.backend: KernelBackend = backend or select_backend(config)
         self.draft = self._load_draft()
         self.runner = ModelRunner(config, model_dir, hf_config, self.max_model_len,
-                                  self.draft.kv_bytes_per_block() if self.draft else 0)
+                                  self.draft.kv_bytes_per_block() if self.draft else 0,
+                                  self.backend)
         if self.draft is not None:
             check_same_vocabulary(self.tokenizer, self._draft_tokenizer,
                                   self.runner.vocab_size, self.draft.vocab_size)
@@ -81,11 +86,8 @@ class LLMEngine:
             return None
         draft, self._draft_tokenizer = DraftModelRunner.load(
             self.config.draft_model, self.config.torch_dtype, self.max_model_len,
-            self.config.block_size, self.backend_module(), self.config.seed)
+            self.config.block_size, self.backend, self.config.seed)
         return draft
-
-    def backend_module(self) -> Any:
-        return select_attention_backend(self.config.attention_backend)
 
     def _step_cost(self) -> StepCost:
         """How a step's time grows with its number of tokens, measured on this machine.

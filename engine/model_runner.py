@@ -1,27 +1,32 @@
 """Runs one scheduled step: builds the flat batch, runs the model, samples.
 
-The runner owns the model weights and the K/V tensors. It reads block tables from the
-``SchedulerOutput`` it is given and never edits them.
+The runner owns the model weights and the K/V tensors, on the kernel backend's device
+(:mod:`engine.backend`). It reads block tables from the ``SchedulerOutput`` it is given and
+never edits them. A step is first flattened into a :class:`StepPlan` (host lists); the
+decode/verification steps that fit a captured CUDA graph replay it
+(:mod:`engine.cuda_graphs`), the others build their metadata and run eagerly.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from engine import loader
+from engine.backend import KernelBackend, select_backend
 from engine.config import EngineConfig
+from engine.cuda_graphs import Capture, CUDAGraphRunner, GraphStep, cuda_capture, eager_capture
 from engine.kv_cache import kv_bytes_per_block
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-from kernels import cpu_gemv, paged_attention_ref
-from spec.rejection_sampler import rejection_sample
+from kernels import cpu_gemv
 
 log = logging.getLogger(__name__)
 # Up to this many rows, chunked bf16 GEMV beats an fp32 GEMM on this class of CPU
@@ -30,11 +35,24 @@ GEMV_MAX_ROWS = 48
 
 
 @dataclass(frozen=True)
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    logits_indices: torch.Tensor  # [num_sample_rows] int64 rows of the flat batch to score
+class StepPlan:
+    """One step as flat host lists: what the eager path and the CUDA graphs both consume."""
+
+    input_ids: list[int]
+    positions: list[int]
+    query_start_loc: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # [num_seqs] context length including the new tokens
+    block_tables: list[Sequence[int]]
+    logits_indices: list[int]  # rows of the flat batch to score
     sample_requests: list[int]  # indices into SchedulerOutput.requests that sample this step
+
+    @property
+    def max_query_len(self) -> int:
+        return max((b - a for a, b in itertools.pairwise(self.query_start_loc)), default=0)
+
+    @property
+    def all_rows_sampled(self) -> bool:
+        return len(self.logits_indices) == len(self.input_ids)
 
 
 @dataclass(frozen=True)
@@ -43,23 +61,48 @@ class RunnerOutput:
     logprobs: list[list[float]] | None
 
 
-def select_attention_backend(name: str) -> ModuleType:
-    """``auto`` and ``torch`` both mean the torch path (with its CPU kernels) today; a Triton
-    backend will plug in behind the same module interface (write_kv, paged_attention,
-    build_metadata)."""
-    return paged_attention_ref
+def plan_step(sched: SchedulerOutput) -> StepPlan:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    sample_requests: list[int] = []
+    for i, req in enumerate(sched.requests):
+        n = req.num_tokens
+        input_ids += req.token_ids
+        positions += range(req.start_pos, req.start_pos + n)
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(req.start_pos + n)
+        if req.sample:
+            end = query_start_loc[-1]
+            logits_indices += range(end - 1 - req.num_draft_tokens, end)
+            sample_requests.append(i)
+    return StepPlan(input_ids, positions, query_start_loc, seq_lens,
+                    [r.block_table for r in sched.requests], logits_indices, sample_requests)
 
 
 def load_model(model_dir: Any, hf_config: Any, dtype: torch.dtype, max_model_len: int,
-               backend: ModuleType) -> LlamaForCausalLM:
-    """Build the model, load its weights in ``dtype`` and enable the CPU fast path."""
+               backend: KernelBackend, seed: int = 0) -> LlamaForCausalLM:
+    """Build the model on the backend's device with its weights in ``dtype`` (random when
+    ``model_dir`` is None: speed benchmarks only) and the backend's kernels."""
     start = time.perf_counter()
-    model = LlamaForCausalLM(hf_config, dtype, max_model_len, backend)
-    model.load_weights((name, t.to(dtype)) for name, t in loader.iter_safetensors(model_dir))
-    model.eval()
-    if dtype == torch.bfloat16 and cpu_gemv.available():
+    # Real weights: built on the host (the rope tables as HF computes them), then moved.
+    # Random weights: built on the device directly (an 8B shape is 16 GB).
+    with torch.device("cpu" if model_dir is not None else backend.device):
+        model = LlamaForCausalLM(hf_config, dtype, max_model_len, backend.attention)
+    if model_dir is not None:
+        model.load_weights((name, t.to(dtype)) for name, t in loader.iter_safetensors(model_dir))
+    model = model.to(backend.device).eval()
+    if model_dir is None:
+        model.init_random_weights(seed)
+    if backend.layer_ops is not None:
+        model.use_layer_ops(backend.layer_ops)
+    elif (backend.device.type == "cpu" and dtype == torch.bfloat16
+          and cpu_gemv.available()):
         model.enable_cpu_fast_path(cpu_gemv.linear_bf16, cpu_gemv.MAX_ROWS, GEMV_MAX_ROWS)
-    log.info("loaded weights of %s in %.2fs", model_dir, time.perf_counter() - start)
+    log.info("loaded weights of %s in %.2fs", model_dir or "(random)",
+             time.perf_counter() - start)
     return model
 
 
@@ -71,24 +114,34 @@ def model_kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
 
 def allocate_kv_caches(model: LlamaForCausalLM, num_blocks: int,
                        block_size: int) -> list[torch.Tensor]:
-    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer."""
+    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer, on the
+    model's device."""
     s = model.shape
+    device = model.embed_tokens.device
     return [torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
-                        dtype=model.dtype) for _ in range(s.num_layers)]
+                        dtype=model.dtype, device=device) for _ in range(s.num_layers)]
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Any, hf_config: Any,
-                 max_model_len: int, extra_bytes_per_block: int = 0) -> None:
+                 max_model_len: int, extra_bytes_per_block: int = 0,
+                 backend: KernelBackend | None = None, capture: Capture | None = None) -> None:
         """``extra_bytes_per_block``: what a draft model's K/V adds to every block (it
-        shares the block tables), so that the pool fits ``kv_cache_memory`` in all."""
+        shares the block tables), so that the pool fits ``kv_cache_memory`` in all.
+        ``model_dir`` None: random weights. ``capture``: how graphs are recorded when the
+        backend uses them (default: CUDA graphs on CUDA, :func:`eager_capture` elsewhere)."""
         self.config = config
         self.dtype = config.torch_dtype
-        self.backend = select_attention_backend(config.attention_backend)
-        self.model = load_model(model_dir, hf_config, self.dtype, max_model_len, self.backend)
+        self.backend = backend or select_backend(config)
+        self.device = self.backend.device
+        self.model = load_model(model_dir, hf_config, self.dtype, max_model_len, self.backend,
+                                config.seed)
         self.num_blocks = self._num_blocks(extra_bytes_per_block)
         self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, config.block_size)
         self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.graphs = self._make_graphs(max_model_len, capture)
+        if self.graphs is not None:
+            self.graphs.capture_all()
 
     @property
     def vocab_size(self) -> int:
@@ -100,47 +153,52 @@ class ModelRunner:
         per_block = model_kv_bytes_per_block(self.model, self.config.block_size)
         return max(self.config.kv_cache_memory // (per_block + extra_bytes_per_block), 1)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[StepInputs, Any]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sample_requests: list[int] = []
-        for i, req in enumerate(sched.requests):
-            n = req.num_tokens
-            input_ids += req.token_ids
-            positions += range(req.start_pos, req.start_pos + n)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(req.start_pos + n)
-            if req.sample:
-                end = query_start_loc[-1]
-                logits_indices += range(end - 1 - req.num_draft_tokens, end)
-                sample_requests.append(i)
-        meta = self.backend.build_metadata(
-            query_start_loc, seq_lens, [r.block_table for r in sched.requests],
-            self.config.block_size)
-        inputs = StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            sample_requests=sample_requests,
-        )
-        return inputs, meta
+    def _make_graphs(self, max_model_len: int, capture: Capture | None) -> CUDAGraphRunner | None:
+        if not self.backend.cuda_graphs:
+            return None
+        if capture is None:  # off CUDA (tests), "graphs" replay eagerly over the same buffers
+            capture = cuda_capture(self.device) if self.device.type == "cuda" else eager_capture
+        attention = self.backend.attention
+        kv_heads = self.model.shape.num_kv_heads
+        c = self.config
+        return CUDAGraphRunner(
+            self.model, self.kv_caches, block_size=c.block_size, max_model_len=max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            max_tokens=min(c.cuda_graph_max_tokens, c.max_num_batched_tokens),
+            max_query_len=1 + c.num_speculative_tokens if c.speculation != "off" else 1,
+            device=self.device, capture=capture,
+            choose_num_splits=lambda seqs, q, ctx: attention.choose_num_splits(
+                seqs, kv_heads, q, ctx))
 
     @torch.inference_mode()
-    def forward_logits(self, inputs: StepInputs, meta: Any) -> torch.Tensor:
-        """Logits at the rows to sample: ``[num_sample_rows, vocab]`` float32."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+    def forward_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Logits at the rows to sample: ``[num_sample_rows, vocab]`` float32, on the device.
+        Decode/verification steps replay a CUDA graph when one fits."""
+        if self.graphs is not None and self.graphs.eligible(
+                len(plan.input_ids), len(plan.seq_lens), plan.max_query_len,
+                plan.all_rows_sampled):
+            hidden = self.graphs.run(GraphStep(plan.input_ids, plan.positions,
+                                               plan.query_start_loc, plan.seq_lens,
+                                               plan.block_tables))
+            return self.model.compute_logits(hidden)  # every row is sampled
+        packed = torch.tensor([plan.input_ids, plan.positions], dtype=torch.int64)
+        packed = packed.to(self.device, non_blocking=True)  # [2, num_tokens], one copy
+        meta = self.backend.attention.build_metadata(
+            plan.query_start_loc, plan.seq_lens, plan.block_tables, self.config.block_size,
+            self.device)
+        hidden = self.model(packed[0], packed[1], self.kv_caches, meta)  # [T, hidden]
+        if not plan.all_rows_sampled:
+            index = torch.tensor(plan.logits_indices, dtype=torch.int64)
+            hidden = hidden[index.to(self.device, non_blocking=True)]
+        return self.model.compute_logits(hidden)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        inputs, meta = self.prepare(sched)
+        plan = plan_step(sched)
         sampled: list[list[int]] = [[] for _ in sched.requests]
-        logits = self.forward_logits(inputs, meta)  # [num_sample_rows, vocab]
-        if not inputs.sample_requests:
+        logits = self.forward_logits(plan)  # [num_sample_rows, vocab]
+        if not plan.sample_requests:
             return RunnerOutput(sampled, None)
-        reqs = [sched.requests[i] for i in inputs.sample_requests]
+        reqs = [sched.requests[i] for i in plan.sample_requests]
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
             generators=[r.generator for r in reqs],
@@ -152,46 +210,90 @@ class ModelRunner:
         logprob_rows: list[list[float]] | None = None
         if logprobs is not None:
             logprob_rows = [[] for _ in sched.requests]
-        for row, i in enumerate(inputs.sample_requests):
+        for row, i in enumerate(plan.sample_requests):
             sampled[i] = tokens[row]
             if logprob_rows is not None and logprobs is not None:
                 logprob_rows[i] = logprobs[row]
         return RunnerOutput(sampled, logprob_rows)
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, reqs: list[ScheduledRequest], batch: SamplingBatch,
+    def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest], batch: SamplingBatch,
                 ) -> tuple[list[list[int]], list[list[float]] | None]:
-        """Plain sampling, or lossless verification when any request carries drafts."""
+        """Plain sampling, or lossless verification when any request carries drafts.
+
+        On a GPU, greedy steps (and verification with the Triton kernel) stay on the device;
+        sampled or penalised plain steps and torch-path verification copy the logits to the
+        host, where the requests' generators live (see docs/kernels.md)."""
+        on_host = logits.device.type == "cpu"
         if any(r.num_draft_tokens for r in reqs):
             drafts = [r.token_ids[len(r.token_ids) - r.num_draft_tokens:] for r in reqs]
-            verified = rejection_sample(logits, drafts, _draft_probs(reqs, logits.shape[1]),
-                                        batch)
+            if not on_host and self.backend.name != "triton":
+                logits = logits.cpu()
+            probs = _draft_probs(reqs, logits.shape[1], logits.device)
+            verified = self.backend.rejection_sample(logits, drafts, probs, batch)
             return verified.token_ids, verified.logprobs
+        if not on_host and not all(p.greedy and not p.uses_penalties for p in batch.params):
+            logits = logits.cpu()
         result = sample(logits, batch)
         tokens = [[t] for t in result.token_ids.tolist()]
         if result.logprobs is None:
             return tokens, None
         return tokens, [[lp] for lp in result.logprobs.tolist()]
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def time_forward(self, num_tokens: int, context: int = 64) -> float:
         """Seconds for one forward pass with ``num_tokens`` new tokens after ``context`` cached
-        ones. Uses the first blocks of the pool: call only while no request holds blocks."""
+        ones, scoring the last row (with CUDA graphs: as a verification step of
+        ``num_tokens`` rows spread over sequences of at most the graphs' query length, which is
+        how such a step is run). Uses the first blocks: call only while no request holds
+        blocks."""
+        width = self.graphs.max_query_len if self.graphs is not None else num_tokens
+        seqs = -(-num_tokens // width)
+        return self.time_decode(seqs, context, width, num_tokens=num_tokens,
+                                share_blocks=True, score_all=self.graphs is not None)
+
+    @torch.inference_mode()
+    def time_decode(self, batch: int, context: int, width: int = 1, *,
+                    num_tokens: int | None = None, share_blocks: bool = False,
+                    score_all: bool = True) -> float:
+        """Seconds for one step of ``batch`` sequences each feeding ``width`` tokens (decode:
+        1; verification: 1 + drafts) after ``context`` cached positions, every row scored (a
+        graph-eligible step). Each sequence gets its own blocks unless ``share_blocks``.
+        NaN when the pool is too small."""
+        num_tokens = num_tokens if num_tokens is not None else batch * width
         bs = self.config.block_size
-        total = context + num_tokens
-        table = list(range(min(-(-total // bs), self.num_blocks)))
-        if len(table) * bs < total:
+        per_seq = -(-(context + width) // bs)
+        if per_seq * (1 if share_blocks else batch) > self.num_blocks:
             return float("nan")
-        meta = self.backend.build_metadata([0, num_tokens], [total], [table], bs)
-        ids = torch.zeros(num_tokens, dtype=torch.int64)
-        positions = torch.arange(context, total)
+        plan = _timing_plan(batch, context, width, num_tokens, per_seq, share_blocks,
+                            score_all)
+        self._sync()
         start = time.perf_counter()
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-        self.model.compute_logits(hidden[-1:])
+        self.forward_logits(plan)
+        self._sync()
         return time.perf_counter() - start
 
 
-def _draft_probs(reqs: list[ScheduledRequest], vocab: int) -> torch.Tensor | None:
+def _timing_plan(batch: int, context: int, width: int, num_tokens: int, per_seq: int,
+                 share_blocks: bool, score_all: bool) -> StepPlan:
+    widths = [min(width, num_tokens - i * width) for i in range(batch)]
+    qsl = [0]
+    positions: list[int] = []
+    for w in widths:
+        qsl.append(qsl[-1] + w)
+        positions += range(context, context + w)
+    tables: list[Sequence[int]] = [list(range(0 if share_blocks else s * per_seq,
+                         (1 if share_blocks else s + 1) * per_seq)) for s in range(batch)]
+    last = list(range(num_tokens)) if score_all else [num_tokens - 1]
+    return StepPlan([0] * num_tokens, positions, qsl, [context + w for w in widths], tables,
+                    last, [])
+
+
+def _draft_probs(reqs: list[ScheduledRequest], vocab: int,
+                 device: torch.device) -> torch.Tensor | None:
     """``[D, vocab]`` draft distributions for the rejection sampler, or None when every
     draft is one-hot (n-gram) or belongs to a greedy request (compared by argmax only)."""
     if all(r.draft_probs is None or r.sampling_params.greedy for r in reqs):
@@ -201,8 +303,8 @@ def _draft_probs(reqs: list[ScheduledRequest], vocab: int) -> torch.Tensor | Non
         if not r.num_draft_tokens:
             continue
         if r.draft_probs is not None:
-            rows.append(r.draft_probs)
+            rows.append(r.draft_probs.to(device))
         else:  # n-gram drafts: one-hot at the drafted token
             ids = torch.tensor(r.token_ids[len(r.token_ids) - r.num_draft_tokens:])
-            rows.append(torch.nn.functional.one_hot(ids, vocab).float())
+            rows.append(torch.nn.functional.one_hot(ids, vocab).float().to(device))
     return torch.cat(rows)  # [D, vocab]

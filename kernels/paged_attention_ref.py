@@ -21,7 +21,8 @@ decoding the same tokens one at a time.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,19 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """The same metadata with every tensor on ``device`` (built on the host first)."""
+        def move(t: torch.Tensor | None) -> Any:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        groups = tuple(replace(g, token_rows=move(g.token_rows), valid_rows=move(g.valid_rows),
+                               kv_slots=move(g.kv_slots), mask=move(g.mask))
+                       for g in self.groups)
+        return replace(self, slot_mapping=move(self.slot_mapping),
+                       block_tables=move(self.block_tables), groups=groups,
+                       seq_lens_t=move(self.seq_lens_t),
+                       query_start_loc_t=move(self.query_start_loc_t))
 
 
 def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -145,8 +159,10 @@ def build_metadata(
     seq_lens: list[int],
     block_table_lists: Sequence[Sequence[int]],
     block_size: int,
+    device: torch.device | str | None = None,
 ) -> AttentionMetadata:
-    """Metadata for one step from per-sequence block tables (read, never edited, here)."""
+    """Metadata for one step from per-sequence block tables (read, never edited, here),
+    built on the host and moved to ``device`` when that is not the CPU."""
     max_blocks = max(len(t) for t in block_table_lists)
     block_tables = torch.zeros(len(block_table_lists), max_blocks, dtype=torch.int32)
     for i, table in enumerate(block_table_lists):
@@ -155,7 +171,7 @@ def build_metadata(
     for i, table in enumerate(block_table_lists):
         q_len = query_start_loc[i + 1] - query_start_loc[i]
         slot_list += slots_for(table, seq_lens[i] - q_len, seq_lens[i], block_size)
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         slot_mapping=torch.tensor(slot_list, dtype=torch.int64),
         query_start_loc=tuple(query_start_loc),
         seq_lens=tuple(seq_lens),
@@ -167,6 +183,9 @@ def build_metadata(
         small_queries_only=all(query_start_loc[i + 1] - query_start_loc[i] <= SMALL_QUERY_MAX
                                for i in range(len(seq_lens))),
     )
+    if device is not None and torch.device(device).type != "cpu":
+        return meta.to(device)
+    return meta
 
 
 def write_kv(
@@ -243,7 +262,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Attention of each sequence's new tokens over its cached context (reference path)."""
-    if meta.small_queries_only and query.dtype == torch.bfloat16 and cpu_attention.available():
+    if (meta.small_queries_only and query.dtype == torch.bfloat16 and query.device.type == "cpu"
+            and cpu_attention.available()):
         # query is a strided view into the fused qkv output: the kernel wants it packed
         return cpu_attention.ragged_attention(query.contiguous(), kv_cache, meta.block_tables,
                                               meta.seq_lens_t, meta.query_start_loc_t, scale)

@@ -1,9 +1,9 @@
 """Triton paged attention (varlen queries, one launch; optional split-KV) and the KV write.
 
-Groundwork for the GPU backend: nothing in the engine calls this module yet. It has the same
-module interface as :mod:`kernels.paged_attention_ref` (``build_metadata``, ``write_kv``,
-``paged_attention``), so it can be handed to the model as its attention backend once the
-model runner puts the step's metadata on the GPU.
+The attention of the ``triton`` kernel backend (:mod:`engine.backend`). It has the module
+interface of :mod:`kernels.paged_attention_ref` (``build_metadata``, ``write_kv``,
+``paged_attention``); its metadata (:mod:`kernels.step_metadata`) is built on the host and
+sent to the device in one copy per step, or lives in a CUDA graph's static buffers.
 
 Layout as in :mod:`kernels.paged_attention_ref`: ``kv_cache[2, num_blocks, block_size,
 num_kv_heads, head_dim]`` (0 = K, 1 = V), position ``p`` of sequence ``s`` in block
@@ -37,11 +37,13 @@ import math
 
 import torch
 
-from kernels.paged_attention_ref import AttentionMetadata, build_metadata
+from kernels.paged_attention_ref import AttentionMetadata
+from kernels.step_metadata import DeviceAttentionMetadata, build_metadata
 from kernels.triton_common import INTERPRET, available, jit, next_pow2, require, round_to, tl
 
 __all__ = [
     "AttentionMetadata",
+    "DeviceAttentionMetadata",
     "attention_config",
     "available",
     "build_metadata",
@@ -196,7 +198,8 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + token * stride_lt + head * stride_lh + split * stride_ls, lse,
                  mask=row_ok)
     else:
-        acc = acc / l_i[:, None]
+        # a row that sees no key at all (only a CUDA graph's padding rows) gives 0, not NaN
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + o_offs, round_to(acc, out_ptr.dtype.element_ty, INTERP),
                  mask=out_mask)
 
@@ -224,7 +227,8 @@ def _reduce_splits_kernel(
     w = tl.math.exp2(lse - m)
     part = tl.load(part_ptr + token * stride_pt + head * stride_ph + sp[:, None] * stride_ps
                    + d[None, :] * stride_pd, mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
-    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    o = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)  # no key at all: 0
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d * stride_od,
              round_to(o, out_ptr.dtype.element_ty, INTERP), mask=d_ok)
 
@@ -364,7 +368,7 @@ def paged_attention_varlen(
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    meta: AttentionMetadata,
+    meta: DeviceAttentionMetadata | AttentionMetadata,
     scale: float,
     *,
     num_splits: int | None = None,
@@ -373,19 +377,32 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """:func:`kernels.paged_attention_ref.paged_attention` in one launch (two with split-KV).
 
-    ``num_splits``: None picks with :func:`choose_num_splits`; 1 = no split. The metadata
-    tensors are copied to the query's device when they live elsewhere (the model runner should
-    build them there once per step instead)."""
-    device = query.device
-    q_lens = [b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:], strict=False)]
-    max_q = max(q_lens, default=0)
+    ``meta`` is this module's :func:`build_metadata` (already on the device: what the engine
+    passes) or the reference's metadata (its tensors are copied to the query's device; for
+    tests). ``num_splits``: None takes ``meta.num_splits``, else picks with
+    :func:`choose_num_splits`; 1 = no split."""
+    if isinstance(meta, AttentionMetadata):
+        meta = _from_reference(meta, query.device)
     if num_splits is None:
-        num_splits = choose_num_splits(len(meta.seq_lens), kv_cache.shape[3], max_q,
-                                       max(meta.seq_lens, default=0))
+        num_splits = meta.num_splits
+    if num_splits is None:
+        num_splits = choose_num_splits(meta.seq_lens_t.shape[0], kv_cache.shape[3],
+                                       meta.max_query_len, meta.max_seq_len)
     return paged_attention_varlen(
-        query, kv_cache, _on(meta.block_tables, device), _on(meta.seq_lens_t, device),
-        _on(meta.query_start_loc_t, device), scale, max_query_len=max_q,
-        num_splits=num_splits, block_m=block_m, block_n=block_n)
+        query, kv_cache, meta.block_tables, meta.seq_lens_t, meta.query_start_loc_t, scale,
+        max_query_len=meta.max_query_len, num_splits=num_splits, block_m=block_m,
+        block_n=block_n)
+
+
+def _from_reference(meta: AttentionMetadata, device: torch.device) -> DeviceAttentionMetadata:
+    q_lens = [b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:],
+                                    strict=False)]
+    return DeviceAttentionMetadata(
+        slot_mapping=_on(meta.slot_mapping, device),
+        query_start_loc_t=_on(meta.query_start_loc_t, device),
+        seq_lens_t=_on(meta.seq_lens_t, device), block_tables=_on(meta.block_tables, device),
+        block_size=meta.block_size, max_query_len=max(q_lens, default=0),
+        max_seq_len=max(meta.seq_lens, default=0))
 
 
 def write_kv(

@@ -10,7 +10,13 @@ import time
 from collections.abc import Sequence
 
 from engine.async_engine import AsyncLLM
-from engine.config import DTYPES, SPECULATION_METHODS, ConfigError, EngineConfig
+from engine.config import (
+    DTYPES,
+    KERNEL_BACKENDS,
+    SPECULATION_METHODS,
+    ConfigError,
+    EngineConfig,
+)
 from engine.loader import ModelLoadError
 from engine.sampling_params import InvalidParameterError, SamplingParams
 from server.batch_cli import add_batch_parser
@@ -37,6 +43,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full (no KV sharing between requests)")
+    g.add_argument("--device", default="auto",
+                   help="auto (cuda when a GPU is visible), cpu, cuda or cuda:N")
+    g.add_argument("--kernel-backend", default="auto", choices=list(KERNEL_BACKENDS),
+                   help="auto: the Triton kernels on CUDA, else the torch reference path")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run decode/verification steps eagerly instead of replaying graphs")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -47,7 +59,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed, draft_model=args.draft_model,
         speculation=args.speculation or default_speculation(args.draft_model),
         num_speculative_tokens=args.num_speculative_tokens,
-        enable_prefix_caching=args.prefix_caching)
+        enable_prefix_caching=args.prefix_caching, device=args.device,
+        kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs)
 
 
 def default_speculation(draft_model: str | None) -> str:

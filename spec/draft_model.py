@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from engine import loader
+from engine.backend import KernelBackend
 from engine.model_runner import allocate_kv_caches, load_model, model_kv_bytes_per_block
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import apply_temperature_and_filters, sample_from_probs
@@ -77,7 +77,7 @@ def check_same_vocabulary(target_tokenizer: Any, draft_tokenizer: Any,
 class DraftModelRunner:
     """Owns the draft model and its K/V tensors; reads block tables, never edits them."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, backend: ModuleType,
+    def __init__(self, model: LlamaForCausalLM, block_size: int, backend: KernelBackend,
                  default_generator: torch.Generator) -> None:
         self.model = model
         self.block_size = block_size
@@ -87,7 +87,7 @@ class DraftModelRunner:
 
     @classmethod
     def load(cls, model_spec: str, dtype: torch.dtype, max_model_len: int, block_size: int,
-             backend: ModuleType, seed: int) -> tuple[DraftModelRunner, Any]:
+             backend: KernelBackend, seed: int) -> tuple[DraftModelRunner, Any]:
         """Load the draft; returns it with its tokenizer (for the vocabulary check)."""
         model_dir = loader.resolve_model(model_spec)
         hf_config = loader.load_config(model_dir)
@@ -138,12 +138,14 @@ class DraftModelRunner:
             query_start_loc.append(query_start_loc[-1] + len(feed))
             positions += range(start, start + len(feed))
         seq_lens = [s + len(f) for s, f in zip(starts, feeds, strict=True)]
-        meta = self.backend.build_metadata(query_start_loc, seq_lens, tables, self.block_size)
-        input_ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64)  # [N]
-        hidden = self.model(input_ids, torch.tensor(positions, dtype=torch.int64),
-                            self.kv_caches, meta)  # [N, hidden]
+        device = self.backend.device
+        meta = self.backend.attention.build_metadata(query_start_loc, seq_lens, tables,
+                                                     self.block_size, device)
+        packed = torch.tensor([[t for f in feeds for t in f], positions],
+                              dtype=torch.int64).to(device, non_blocking=True)  # [2, N]
+        hidden = self.model(packed[0], packed[1], self.kv_caches, meta)  # [N, hidden]
         last = torch.tensor(query_start_loc[1:], dtype=torch.int64) - 1  # [A]
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[last.to(device)])  # on the device
 
     def _sample(self, logits: torch.Tensor, inputs: list[DraftInput],
                 ) -> tuple[list[int], torch.Tensor | None]:
@@ -152,6 +154,8 @@ class DraftModelRunner:
         params = [inp.sampling_params for inp in inputs]
         if all(p.greedy for p in params):
             return tokens.tolist(), None
+        # sampled drafts draw on the host, where the requests' generators live
+        logits, tokens = logits.cpu(), tokens.cpu()
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         rows = logits[sampled]  # [S, vocab]
         filtered = apply_temperature_and_filters(
@@ -178,6 +182,11 @@ class DraftModelRunner:
         if per_seq > num_blocks:
             return float("nan")
         table = tuple(range(per_seq))
+        cuda = self.backend.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.backend.device)
         start = time.perf_counter()
         self._forward([[0]] * batch, [context] * batch, [table] * batch)
+        if cuda:
+            torch.cuda.synchronize(self.backend.device)
         return time.perf_counter() - start

@@ -275,6 +275,23 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.enable_cpu_fast_path(gemv, chunk, gemv_rows, scratch)
 
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        """Run the small per-layer ops with ``ops`` (e.g. the Triton kernels)."""
+        self.ops = ops
+
+    @torch.no_grad()
+    def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights (for speed benchmarks of model shapes we have no checkpoint for):
+        normal(0, std) matrices and embeddings, unit norms, zero biases."""
+        generator = torch.Generator(self.embed_tokens.device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (fused) parameters; every parameter must be filled."""
         params = dict(self.named_parameters())

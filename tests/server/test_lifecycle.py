@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from websockets.exceptions import ConnectionClosed
 
 from tests.server.conftest import (
@@ -68,7 +69,14 @@ def test_health_503_while_loading_then_200(tiny_model_dir):
         while httpx.get(f"{s.http}/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert httpx.get(f"{s.http}/health").json()["status"] == "ready"
+        body = httpx.get(f"{s.http}/health").json()
+        assert body["status"] == "ready"
+        # the kernel backend chosen at start-up, and why
+        backend = body["backend"]
+        assert set(backend) == {"kernel_backend", "device", "cuda_graphs", "reason"}
+        if not torch.cuda.is_available():  # the torch path on CPU
+            assert backend["kernel_backend"] == "torch" and backend["device"] == "cpu"
+            assert backend["cuda_graphs"] is False and "cpu" in backend["reason"]
         assert httpx.post(f"{s.http}/v1/chat/completions", json=CHAT).status_code == 200
 
 
