@@ -93,6 +93,33 @@ def test_graphs_without_speculation(config):
     assert graphed == want and engine.runner.graphs.max_query_len == 1
 
 
+@pytest.mark.slow
+def test_default_model_fast_path_equals_reference_path(default_model_dir):
+    """The embedded default model (fp32 greedy): prefill through the Triton kernels, decode by
+    graph replay, against the torch reference path. Under the interpreter one SmolLM2 decode
+    step takes ~2.5 s, so the prompt and the answer are short."""
+    config = EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu",
+                          num_kv_blocks=32, max_model_len=128, speculation="off",
+                          cuda_graph_max_tokens=1, measure_step_cost=False, num_threads=1)
+    params = SamplingParams(temperature=0, max_tokens=6)
+
+    def answer(engine: LLMEngine) -> list[int]:
+        engine.add_request("0", "The capital of France is", params)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            tokens += [t for d in engine.step() for t in d.token_ids]
+        return tokens
+
+    want = answer(LLMEngine(config, progress=False))
+    if not torch.cuda.is_available() and not triton_interpreting():
+        pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
+    backend = replace(select_backend(replace(config, kernel_backend="triton")),
+                      cuda_graphs=True)
+    engine = LLMEngine(config, progress=False, backend=backend)
+    assert answer(engine) == want and len(want) == 6
+    assert engine.runner.graphs is not None and engine.runner.graphs.num_replays == 5
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_real_cuda_graphs_equal_the_torch_path(default_model_dir):
