@@ -71,7 +71,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ValueError:  # present in sys.modules as None: blocked
+        return False
 
 
 def decide(requested: str, device: torch.device, want_graphs: bool, *,

@@ -237,6 +237,34 @@ def apply_temperature_and_filters(
 # ---------------------------------------------------------------------------------------
 
 
+def draw_exponential_noise_(
+    out: torch.Tensor,
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Fill ``out`` ``[B, V]`` float32 in place with Exp(1) noise and return it.
+
+    ``-log(u)``, ``u ~ U[0, 1)`` (several times faster on CPU than ``exponential_``). Row i's
+    uniforms come from ``generators[i]`` alone, so a seeded row gets the same noise whatever
+    it is batched with; rows with ``None`` share one draw from ``default_generator``. The
+    order of the draws is part of the contract: the speculative verifiers
+    (:mod:`spec.rejection_sampler`, :mod:`kernels.triton_rejection`) reproduce
+    :func:`sample_from_probs` through it. ``u == 0`` gives ``inf``, never nan.
+    """
+    if len(generators) != out.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {out.shape[0]} rows")
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
+        out.uniform_(generator=default_generator)
+    elif len(seeded) < len(generators):
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        noise = torch.empty(len(unseeded), out.shape[1], device=out.device)  # [U, V]
+        out[unseeded] = noise.uniform_(generator=default_generator)
+    for i in seeded:
+        out[i].uniform_(generator=generators[i])
+    return out.log_().neg_()  # [B, V] Exp(1) by inversion
+
+
 def sample_from_probs(
     probs: torch.Tensor,
     generators: list[torch.Generator | None],
@@ -244,25 +272,15 @@ def sample_from_probs(
 ) -> torch.Tensor:
     """One token per row of ``probs`` ``[B, V]``: ``argmax(probs / q)``, ``q ~ Exp(1)``.
 
-    ``q = -log(u)``, ``u ~ U[0, 1)`` (several times faster on CPU than ``exponential_``).
-    The exponential race picks token i with probability ``probs[i] / sum(probs)``. Row i's
-    noise comes from ``generators[i]`` alone, so a seeded row draws the same tokens whatever
-    it is batched with; rows with ``None`` share one draw from ``default_generator``.
-    Returns ``[B]`` int64.
+    The exponential race picks token i with probability ``probs[i] / sum(probs)``. The noise
+    ``q`` is :func:`draw_exponential_noise_`'s: row i's from ``generators[i]`` alone, so a
+    seeded row draws the same tokens whatever it is batched with; rows with ``None`` share
+    one draw from ``default_generator``. Returns ``[B]`` int64.
     """
     if len(generators) != probs.shape[0]:
         raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
-    u = torch.empty_like(probs, dtype=torch.float32)  # [B, V] uniform in [0, 1)
-    seeded = [i for i, g in enumerate(generators) if g is not None]
-    if not seeded:
-        u.uniform_(generator=default_generator)
-    elif len(seeded) < len(generators):
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        noise = torch.empty(len(unseeded), probs.shape[1], device=probs.device)  # [U, V]
-        u[unseeded] = noise.uniform_(generator=default_generator)
-    for i in seeded:
-        u[i].uniform_(generator=generators[i])
-    q = u.log_().neg_()  # [B, V] Exp(1) by inversion; u == 0 gives q = inf, never nan
+    q = torch.empty_like(probs, dtype=torch.float32)  # [B, V]
+    draw_exponential_noise_(q, generators, default_generator)
     return (probs / q).argmax(dim=-1)  # [B]
 
 

@@ -39,6 +39,10 @@ single row is penalised exactly as in :func:`engine.sampler.sample`.
 
 Vectorised: per-row work is batched tensor ops; Python loops run over requests only (seeded
 generators, building the output lists), never over rows' vocabularies.
+
+:func:`kernels.triton_rejection.rejection_sample` is a Triton version with the same results
+and the same random draws; it shares this module's validation, layout, logits processing,
+uniform draws and output assembly (the ``_``-prefixed helpers below).
 """
 
 from __future__ import annotations
@@ -152,18 +156,29 @@ def _processed_logits(
     )  # [R, V]
 
 
-def _draft_uniforms(layout: _Layout, batch: SamplingBatch, sampled: torch.Tensor) -> torch.Tensor:
-    """``[D]`` uniforms in [0, 1) for the drafts of sampled requests (0 for greedy ones)."""
-    u = torch.zeros(layout.draft_ids.shape[0], device=layout.draft_ids.device)  # [D]
-    seeded = torch.tensor([g is not None for g in batch.generators], device=u.device)  # [B]
-    shared = (sampled & ~seeded)[layout.draft_req]  # [D]
-    if bool(shared.any()):
-        u[shared] = torch.empty(int(shared.sum()), device=u.device).uniform_(
+def _draft_uniforms(
+    num_drafts: list[int], batch: SamplingBatch, device: torch.device | str,
+) -> torch.Tensor:
+    """``[D]`` uniforms in [0, 1) for the drafts of sampled requests (0 for greedy ones).
+
+    One draw from ``batch.default_generator`` for all unseeded sampled requests' drafts (in
+    draft order), then each seeded sampled request's drafts from its own generator. Drawing
+    nothing when no sampled request has drafts.
+    """
+    u = torch.zeros(sum(num_drafts), device=device)  # [D]
+    shared_req = torch.tensor([not p.greedy and g is None
+                               for p, g in zip(batch.params, batch.generators, strict=True)],
+                              dtype=torch.bool)  # [B]
+    shared = torch.repeat_interleave(shared_req, torch.tensor(num_drafts, dtype=torch.long))
+    if bool(shared.any()):  # [D]
+        shared = shared.to(device)
+        u[shared] = torch.empty(int(shared.sum()), device=device).uniform_(
             generator=batch.default_generator)
-    offsets, counts = layout.draft_offsets.tolist(), layout.num_drafts.tolist()
-    for i, g in enumerate(batch.generators):
-        if g is not None and counts[i] and not batch.params[i].greedy:
-            u[offsets[i]:offsets[i] + counts[i]].uniform_(generator=g)
+    offset = 0
+    for n, p, g in zip(num_drafts, batch.params, batch.generators, strict=True):
+        if g is not None and n and not p.greedy:
+            u[offset:offset + n].uniform_(generator=g)
+        offset += n
     return u
 
 
@@ -183,7 +198,7 @@ def _accept_drafts(
         p = torch.exp(rows[index, ids] - torch.logsumexp(rows, dim=-1))  # [D] p_j(x_j)
         q = (draft_probs[index, ids].to(p) if draft_probs is not None
              else torch.ones_like(p))  # [D] q_j(x_j)
-        u = _draft_uniforms(layout, batch, ~greedy)  # [D]
+        u = _draft_uniforms(layout.num_drafts.tolist(), batch, ids.device)  # [D]
         accept = torch.where(greedy_draft, accept, u * q < p)
     return accept
 
@@ -237,6 +252,36 @@ def _emitted_logprobs(
     return [values[s:s + n + 1] for s, n in zip(starts, num_accepted.tolist(), strict=True)]
 
 
+def _prepare(
+    target_logits: torch.Tensor, draft_token_ids: list[list[int]],
+    draft_probs: torch.Tensor | None, batch: SamplingBatch,
+) -> tuple[torch.Tensor, _Layout, torch.Tensor, torch.Tensor]:
+    """Validate, then ``(raw [R, V] float32, layout, greedy [B] bool, processed [R, V])``.
+
+    The torch half of every verifier (this module's and :mod:`kernels.triton_rejection`'s).
+    """
+    _validate(target_logits, draft_token_ids, draft_probs, batch)
+    raw = target_logits.float()  # [R, V], never modified
+    layout = _Layout.build(draft_token_ids, raw.device)
+    greedy = torch.tensor([p.greedy for p in batch.params], dtype=torch.bool,
+                          device=raw.device)  # [B]
+    return raw, layout, greedy, _processed_logits(raw, layout, batch, greedy)
+
+
+def _output(
+    draft_token_ids: list[list[int]], raw: torch.Tensor, layout: _Layout, batch: SamplingBatch,
+    num_accepted: torch.Tensor, tokens: torch.Tensor,
+) -> VerifyOutput:
+    """Assemble the per-request lists (and logprobs, when asked) from ``[B]`` int64 tensors."""
+    counts = num_accepted.tolist()
+    token_ids = [[*d[:n], t] for d, n, t in zip(draft_token_ids, counts, tokens.tolist(),
+                                                strict=True)]
+    logprobs = None
+    if any(p.logprobs for p in batch.params):
+        logprobs = _emitted_logprobs(raw, layout, num_accepted, tokens)
+    return VerifyOutput(token_ids=token_ids, num_accepted=counts, logprobs=logprobs)
+
+
 def rejection_sample(
     target_logits: torch.Tensor,
     draft_token_ids: list[list[int]],
@@ -250,19 +295,8 @@ def rejection_sample(
     distribution at each draft (flattened in request order), or None for one-hot (n-gram)
     drafts. ``batch`` has one row per request. See the module docstring for the rules.
     """
-    _validate(target_logits, draft_token_ids, draft_probs, batch)
-    raw = target_logits.float()  # [R, V], never modified
-    layout = _Layout.build(draft_token_ids, raw.device)
-    greedy = torch.tensor([p.greedy for p in batch.params], dtype=torch.bool,
-                          device=raw.device)  # [B]
-    logits = _processed_logits(raw, layout, batch, greedy)  # [R, V]
+    raw, layout, greedy, logits = _prepare(target_logits, draft_token_ids, draft_probs, batch)
     accept = _accept_drafts(logits, layout, draft_probs, batch, greedy)  # [D]
     num_accepted = _count_accepted(accept, layout)  # [B]
     tokens = _final_tokens(logits, layout, num_accepted, draft_probs, batch, greedy)  # [B]
-    counts = num_accepted.tolist()
-    token_ids = [[*d[:n], t] for d, n, t in zip(draft_token_ids, counts, tokens.tolist(),
-                                                strict=True)]
-    logprobs = None
-    if any(p.logprobs for p in batch.params):
-        logprobs = _emitted_logprobs(raw, layout, num_accepted, tokens)
-    return VerifyOutput(token_ids=token_ids, num_accepted=counts, logprobs=logprobs)
+    return _output(draft_token_ids, raw, layout, batch, num_accepted, tokens)

@@ -9,12 +9,16 @@ the grid in Python.
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton (and our kernels) are imported
+import torch
+
+# Before triton (and our kernels) are imported: without a GPU they run under the
+# interpreter (tests/conftest.py does the same); with one, compiled, on CUDA tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 

@@ -1,9 +1,10 @@
 """The Triton kernels compile for real GPUs (sm_80 and sm_90), without a GPU.
 
-The interpreter tests (test_triton_attention.py, test_triton_ops.py) check the numbers but
-not that the kernels survive Triton's compiler (typing of loop-carried values, dot shapes and
-layouts, constexpr handling...). Triton's NVIDIA backend (with the ptxas it ships) compiles
-to a cubin for a given target without a device, so this runs everywhere triton is installed.
+The interpreter tests (test_triton_attention.py, test_triton_ops.py, test_triton_rejection.py)
+check the numbers but not that the kernels survive Triton's compiler (typing of loop-carried
+values, dot shapes and layouts, constexpr handling...). Triton's NVIDIA backend (with the ptxas
+it ships) compiles to a cubin for a given target without a device, so this runs everywhere
+triton is installed.
 It runs in a subprocess with ``TRITON_INTERPRET=0`` because the interpreter tests define the
 kernels in interpreter mode in this process.
 
@@ -31,7 +32,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_attention as ta, triton_ops as ops
+from kernels import triton_attention as ta, triton_ops as ops, triton_rejection as tr
 
 assert not ta.interpreting()
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -116,6 +117,13 @@ for cap in (80, 90):
                             dict(ops._NO_FMA)))
     results.append(compile_("silu_mul bf16", ops._silu_mul_kernel, cap, {"default": "bf16"},
                             dict(BLOCK=1024, INTERP=False), dict(ops._NO_FMA)))
+    for has_q in (True, False):
+        results.append(compile_(
+            f"rejection draft_probs={has_q}", tr._rejection_kernel, cap,
+            {"default": "i64", "logits_ptr": "fp32", "draft_probs_ptr": "bf16",
+             "uniforms_ptr": "fp32", "noise_ptr": "fp32", "noise_rows_ptr": "i32"},
+            dict(HAS_DRAFT_PROBS=has_q, BLOCK_V=tr._BLOCK_V),
+            dict(tr._NO_FMA, num_warps=tr._NUM_WARPS)))
 print("RESULTS" + json.dumps(results))
 '''
 
@@ -133,7 +141,7 @@ def test_kernels_compile_for_sm80_and_sm90():
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS"))
     results = json.loads(line.removeprefix("RESULTS"))
-    assert len(results) == 27  # 8 + 7 attention configs (sm_90, sm_80), 6 others each
+    assert len(results) == 31  # 8 + 7 attention configs (sm_90, sm_80), 8 others each
     for r in results:
         regs, stack = r["usage"] or (None, None)
         print(f"{r['name']}: regs={regs} spill_stack={stack}B smem={r['smem']}B")

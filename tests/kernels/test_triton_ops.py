@@ -1,7 +1,8 @@
 """kernels.triton_ops against the torch references of kernels.cpu_fused.
 
 Runs on CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``, set below before
-triton is imported unless the environment says otherwise); skipped without triton. On a GPU
+triton is imported when there is no GPU and the environment does not say otherwise); skipped
+without triton. On a GPU
 machine ``TRITON_INTERPRET=0 pytest tests/kernels/test_triton_ops.py`` runs them compiled.
 
 The kernels round where torch rounds, so in half precision they agree with the references
@@ -13,10 +14,14 @@ compared bit for bit. In fp32 nothing hides those last-bit differences: a few ul
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton (and our kernels) are imported
+import torch
+
+# Before triton (and our kernels) are imported: without a GPU they run under the
+# interpreter (tests/conftest.py does the same); with one, compiled, on CUDA tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
