@@ -70,6 +70,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timing); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def triton_installed() -> bool:
     try:
         return importlib.util.find_spec("triton") is not None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from engine import loader
-from engine.backend import KernelBackend, select_backend
+from engine.backend import KernelBackend, select_backend, synchronize
 from engine.config import EngineConfig
 from engine.cuda_graphs import Capture, CUDAGraphRunner, GraphStep, cuda_capture, eager_capture
 from engine.kv_cache import kv_bytes_per_block
@@ -239,10 +239,6 @@ class ModelRunner:
             return tokens, None
         return tokens, [[lp] for lp in result.logprobs.tolist()]
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     @torch.inference_mode()
     def time_forward(self, num_tokens: int, context: int = 64) -> float:
         """Seconds for one forward pass with ``num_tokens`` new tokens after ``context`` cached
@@ -270,10 +266,10 @@ class ModelRunner:
             return float("nan")
         plan = _timing_plan(batch, context, width, num_tokens, per_seq, share_blocks,
                             score_all)
-        self._sync()
+        synchronize(self.device)
         start = time.perf_counter()
         self.forward_logits(plan)
-        self._sync()
+        synchronize(self.device)
         return time.perf_counter() - start
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from engine import loader
-from engine.backend import KernelBackend
+from engine.backend import KernelBackend, synchronize
 from engine.model_runner import allocate_kv_caches, load_model, model_kv_bytes_per_block
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import apply_temperature_and_filters, sample_from_probs
@@ -182,11 +182,8 @@ class DraftModelRunner:
         if per_seq > num_blocks:
             return float("nan")
         table = tuple(range(per_seq))
-        cuda = self.backend.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.backend.device)
+        synchronize(self.backend.device)
         start = time.perf_counter()
         self._forward([[0]] * batch, [context] * batch, [table] * batch)
-        if cuda:
-            torch.cuda.synchronize(self.backend.device)
+        synchronize(self.backend.device)
         return time.perf_counter() - start

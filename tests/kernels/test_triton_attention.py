@@ -1,24 +1,17 @@
 """kernels.triton_attention against the plain-torch references of kernels.paged_attention_ref.
 
-Runs on CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``, set below before
-triton is imported unless the environment says otherwise); skipped without triton. On a GPU
+Without a GPU this runs on CPU tensors through the Triton interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported); skipped without triton. On a GPU
 machine, ``TRITON_INTERPRET=0 pytest tests/kernels/test_triton_attention.py`` runs the same
 tests compiled, on CUDA tensors. Shapes are small: the interpreter runs every program of
 the grid in Python.
 """
 
-import os
-
-import torch
-
-# Before triton (and our kernels) are imported: without a GPU they run under the
-# interpreter (tests/conftest.py does the same); with one, compiled, on CUDA tensors.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 

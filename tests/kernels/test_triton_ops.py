@@ -1,8 +1,7 @@
 """kernels.triton_ops against the torch references of kernels.cpu_fused.
 
-Runs on CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``, set below before
-triton is imported when there is no GPU and the environment does not say otherwise); skipped
-without triton. On a GPU
+Without a GPU this runs on CPU tensors through the Triton interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported); skipped without triton. On a GPU
 machine ``TRITON_INTERPRET=0 pytest tests/kernels/test_triton_ops.py`` runs them compiled.
 
 The kernels round where torch rounds, so in half precision they agree with the references
@@ -12,16 +11,9 @@ differ in their last fp32 bit and that flips a rounding: rarely, by one unit in 
 compared bit for bit. In fp32 nothing hides those last-bit differences: a few ulps.
 """
 
-import os
-
-import torch
-
-# Before triton (and our kernels) are imported: without a GPU they run under the
-# interpreter (tests/conftest.py does the same); with one, compiled, on CUDA tensors.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 

@@ -1,7 +1,7 @@
 """kernels.triton_rejection against the torch reference spec.rejection_sampler.
 
-Runs on CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``, set below before
-triton is imported unless the environment says otherwise); skipped without triton. On a GPU
+Without a GPU this runs on CPU tensors through the Triton interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` before triton is imported); skipped without triton. On a GPU
 machine ``TRITON_INTERPRET=0 pytest tests/kernels/test_triton_rejection.py`` runs the kernel
 compiled (the reference then still runs on CPU: the random numbers are drawn on CPU either
 way, so the results agree except where a sum taken in another order flips a decision that
@@ -12,16 +12,9 @@ states; they must emit the same tokens and leave the generators in the same stat
 vocabulary tile is shrunk (32, 128) so that rows span several tiles, the last one partial.
 """
 
-import os
-
-import torch
-
-# Before triton (and our kernels) are imported: without a GPU they run under the
-# interpreter (tests/conftest.py does the same); with one, compiled, on CUDA tensors.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
