@@ -8,10 +8,12 @@
  * Every kernel reproduces the plain-torch reference in cpu_fused.py bit for bit (fp32 math,
  * the same intermediate roundings to bf16, round-to-nearest-even), so it must be built with
  * -ffp-contract=off: a mul + add contracted into an FMA would round differently.
- *   - RMSNorm: the sum of squares follows the order of ATen's vectorised cascade sum
- *     (aten/src/ATen/native/cpu/SumKernel.cpp: 4 interleaved accumulator vectors of `lanes`
- *     floats, cascaded every 16 steps, then the scalar tail, then the lanes in order), mean is
- *     sum / n and rsqrt is 1 / sqrt (both correctly rounded, as in ATen).
+ *   - RMSNorm: the sum of squares follows one fixed order on every CPU, that of ATen's AVX2
+ *     vectorised cascade sum (aten/src/ATen/native/cpu/SumKernel.cpp: 4 interleaved
+ *     accumulator vectors of 8 floats, cascaded every 16 steps, then the scalar tail, then the
+ *     lanes in order), mean is sum / n and rsqrt is 1 / sqrt (both correctly rounded, as in
+ *     ATen). Bit-equal to torch where torch dispatches to AVX2; within an ulp of it where it
+ *     dispatches to AVX512 (16 lanes) or DEFAULT.
  *   - SiLU: exp is a port of SLEEF's expf_u10 (what ATen's Vectorized<float>::exp calls), and
  *     the last `inter % vec_block` elements of each row use libm's expf, as ATen's scalar tail
  *     loop does.
@@ -89,58 +91,54 @@ static int ceil_log2(long long x) {
     return 64 - __builtin_clzll((unsigned long long)(x - 1));
 }
 
-/* Sum of xf[i]^2 (each square rounded to fp32) in ATen's order for a contiguous inner
- * reduction of n >= 8 * NV floats, with torch vectors of 8 * NV lanes (NV = 1: AVX2, 2: AVX512).
- * A torch vector is NV __m256; lane-wise adds are the same whatever the register width. */
-QD_INLINE float torch_sumsq_vec(const float* xf, long long n, const int NV) {
-    const long long W = 8 * NV;
-    const long long vec_size = n / W;
+/* Sum of xf[i]^2 (each square rounded to fp32) in ATen's AVX2 order (8-lane vectors) for a
+ * contiguous inner reduction of n >= 8 floats. The order is fixed: the same on every x86-64
+ * CPU, whatever torch itself dispatches to (its AVX512 build sums in 16 lanes, so there the
+ * kernel is within an ulp of torch instead of bit-equal). */
+QD_INLINE float torch_sumsq_vec(const float* xf, long long n) {
+    const long long vec_size = n / 8;
     /* row_sum(): vec_size vectors seen as a (-1, 4) array; multi_row_sum() over its rows */
     const long long size_ilp = vec_size / 4;
     int lp = ceil_log2(size_ilp) / 4;
     if (lp < 4) lp = 4;
     const long long step = 1LL << lp, mask = step - 1;
-    __m256 acc[4][4][2];
+    __m256 acc[4][4];
     for (int l = 0; l < 4; l++)
-        for (int k = 0; k < 4; k++)
-            for (int v = 0; v < NV; v++) acc[l][k][v] = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) acc[l][k] = _mm256_setzero_ps();
 #define QD_ACC_SQ(dst, p)                                                   \
-    for (int v = 0; v < NV; v++) {                                          \
-        const __m256 t = _mm256_loadu_ps((p) + 8 * v);                      \
-        (dst)[v] = _mm256_add_ps((dst)[v], _mm256_mul_ps(t, t));            \
-    }
+    do {                                                                    \
+        const __m256 t = _mm256_loadu_ps(p);                                \
+        (dst) = _mm256_add_ps((dst), _mm256_mul_ps(t, t));                  \
+    } while (0)
     long long i = 0;
     while (i + step <= size_ilp) {
         for (long long j = 0; j < step; j++, i++) {
-            const float* base = xf + i * 4 * W;
-            for (int k = 0; k < 4; k++) { QD_ACC_SQ(acc[0][k], base + k * W) }
+            const float* base = xf + i * 32;
+            for (int k = 0; k < 4; k++) QD_ACC_SQ(acc[0][k], base + k * 8);
         }
         for (int l = 1; l < 4; l++) {
-            for (int k = 0; k < 4; k++)
-                for (int v = 0; v < NV; v++) {
-                    acc[l][k][v] = _mm256_add_ps(acc[l][k][v], acc[l - 1][k][v]);
-                    acc[l - 1][k][v] = _mm256_setzero_ps();
-                }
+            for (int k = 0; k < 4; k++) {
+                acc[l][k] = _mm256_add_ps(acc[l][k], acc[l - 1][k]);
+                acc[l - 1][k] = _mm256_setzero_ps();
+            }
             if ((i & (mask << (l * lp))) != 0) break;
         }
     }
     for (; i < size_ilp; i++) {
-        const float* base = xf + i * 4 * W;
-        for (int k = 0; k < 4; k++) { QD_ACC_SQ(acc[0][k], base + k * W) }
+        const float* base = xf + i * 32;
+        for (int k = 0; k < 4; k++) QD_ACC_SQ(acc[0][k], base + k * 8);
     }
     for (int l = 1; l < 4; l++)
-        for (int k = 0; k < 4; k++)
-            for (int v = 0; v < NV; v++) acc[0][k][v] = _mm256_add_ps(acc[0][k][v], acc[l][k][v]);
-    for (long long r = size_ilp * 4; r < vec_size; r++) { QD_ACC_SQ(acc[0][0], xf + r * W) }
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[l][k]);
+    for (long long r = size_ilp * 4; r < vec_size; r++) QD_ACC_SQ(acc[0][0], xf + r * 8);
 #undef QD_ACC_SQ
-    for (int k = 1; k < 4; k++)
-        for (int v = 0; v < NV; v++) acc[0][0][v] = _mm256_add_ps(acc[0][0][v], acc[0][k][v]);
+    for (int k = 1; k < 4; k++) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
     /* vectorized_inner_sum(): scalar tail first, then the lanes of the vector sum in order */
     float total = 0.0f;
-    for (long long t = vec_size * W; t < n; t++) total += xf[t] * xf[t];
-    float lanes[16];
-    for (int v = 0; v < NV; v++) _mm256_storeu_ps(lanes + 8 * v, acc[0][0][v]);
-    for (int l = 0; l < W; l++) total += lanes[l];
+    for (long long t = vec_size * 8; t < n; t++) total += xf[t] * xf[t];
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc[0][0]);
+    for (int l = 0; l < 8; l++) total += lanes[l];
     return total;
 }
 
@@ -172,23 +170,21 @@ static float torch_sumsq_scalar(const float* xf, long long n) {
     return acc[0][0];
 }
 
-static QD_TARGET float torch_sumsq(const float* xf, long long n, int lanes) {
-    if (lanes == 16) return n >= 16 ? torch_sumsq_vec(xf, n, 2) : torch_sumsq_scalar(xf, n);
-    return n >= 8 ? torch_sumsq_vec(xf, n, 1) : torch_sumsq_scalar(xf, n);
+static QD_TARGET float torch_sumsq(const float* xf, long long n) {
+    return n >= 8 ? torch_sumsq_vec(xf, n) : torch_sumsq_scalar(xf, n);
 }
 
 /* Exported for the tests: out[r] = sum of x[r, :]^2 over rows of a [rows, n] fp32 matrix, in
- * the order above; must equal torch's x.pow(2).sum(-1) bit for bit. */
-int qd_sumsq_f32(const float* x, float* out, int rows, int n, int lanes) {
+ * the order above (tests/kernels/sum_order_oracle.py; torch's x.pow(2).sum(-1) under AVX2). */
+int qd_sumsq_f32(const float* x, float* out, int rows, int n) {
     if (rows < 0 || n <= 0 || !x || !out) return -1;
-    for (int r = 0; r < rows; r++) out[r] = torch_sumsq(x + (size_t)r * (size_t)n, n, lanes);
+    for (int r = 0; r < rows; r++) out[r] = torch_sumsq(x + (size_t)r * (size_t)n, n);
     return 0;
 }
 
 /* One row: r = bf16(x + res) (or x), y = bf16(w * bf16(r * rsqrt(mean(r^2) + eps))). */
 static QD_TARGET void rms_row(const uint16_t* x, const uint16_t* res, const uint16_t* w,
-                              uint16_t* y, uint16_t* res_out, int n, float eps, int lanes,
-                              float* xf) {
+                              uint16_t* y, uint16_t* res_out, int n, float eps, float* xf) {
     const int n8 = n & ~7;
     int i = 0;
     if (res) {
@@ -206,7 +202,7 @@ static QD_TARGET void rms_row(const uint16_t* x, const uint16_t* res, const uint
         for (; i < n8; i += 8) _mm256_storeu_ps(xf + i, load_bf16(x + i));
         for (; i < n; i++) xf[i] = bf16_to_f32(x[i]);
     }
-    const float var = torch_sumsq(xf, n, lanes) / (float)n;
+    const float var = torch_sumsq(xf, n) / (float)n;
     const float inv = 1.0f / sqrtf(var + eps);
     const __m256 vinv = _mm256_set1_ps(inv);
     for (i = 0; i < n8; i += 8) {
@@ -218,10 +214,10 @@ static QD_TARGET void rms_row(const uint16_t* x, const uint16_t* res, const uint
 
 /* y[rows, n] = rms_norm(x (+ res)) * w; with res, res_out[rows, n] = bf16(x + res).
  * x, res, y, res_out: [rows, n] contiguous bf16 (res, res_out may be NULL; res_out may alias
- * x or res, y may alias x when res is NULL); w: [n]. lanes: torch's fp32 vector width (8 or
- * 16), which fixes the summation order. Returns 0, or -1 on bad arguments / no memory. */
+ * x or res, y may alias x when res is NULL); w: [n]. Returns 0, or -1 on bad arguments / no
+ * memory. */
 int qd_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* y,
-                     uint16_t* res_out, int rows, int n, float eps, int lanes, int nthreads) {
+                     uint16_t* res_out, int rows, int n, float eps, int nthreads) {
     if (rows < 0 || n <= 0 || !x || !w || !y || (res && !res_out)) return -1;
     if (rows == 0) return 0;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
@@ -243,7 +239,7 @@ int qd_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, 
             if (!xf) continue;
             const size_t off = (size_t)r * (size_t)n;
             rms_row(x + off, res ? res + off : NULL, w, y + off, res_out ? res_out + off : NULL, n,
-                    eps, lanes, xf);
+                    eps, xf);
         }
         if (xf && xf != stack_buf) free(xf);
     }

@@ -7,12 +7,15 @@ kernels``), keyed by a hash of the source and flags, and loaded with ctypes. Wit
 AVX2/FMA or on a failed build, :func:`available` is False and every function runs its
 ``*_ref`` reference instead.
 
-The ``*_ref`` functions define the semantics (plain torch, the op order of HF Llama). The
-kernels reproduce them bit for bit on finite inputs: RMSNorm follows ATen's summation order
-for the mean of squares, SiLU uses a port of SLEEF's ``expf`` (what ATen's vectorised exp
-calls) and libm's ``expf`` where ATen's scalar tail loop would; RoPE and the adds only need
-the same roundings. (Bit-equality assumes ATen's order for the torch build in use: exact for
-``get_cpu_capability()`` AVX2 and AVX512, reductions of fewer than 32768 elements.)
+The ``*_ref`` functions define the semantics (plain torch, the op order of HF Llama). RoPE,
+SiLU·up and the residual add reproduce them bit for bit on finite inputs on every CPU: SiLU
+uses a port of SLEEF's ``expf`` (what ATen's vectorised exp calls) and libm's ``expf`` where
+ATen's scalar tail loop would; RoPE and the adds only need the same roundings. RMSNorm sums
+its squares in one fixed order on every machine, ATen's AVX2 order (8-lane cascade sum): it
+equals the reference bit for bit where torch dispatches to AVX2 and is within one bf16 ulp of
+it where torch uses its 16-lane AVX512 (or generic) sum. So a kernel result never depends on
+the CPU kind or on which other rows are in the call (``tests/kernels/sum_order_oracle.py``
+writes the order out in Python).
 
 The fast functions are called ~120 times per decode step, so they check only what is cheap
 (dtype, ``is_cpu``, contiguity, shapes; anything else runs the reference). Not checked:
@@ -54,7 +57,6 @@ class _Lib(NamedTuple):
     rms_norm: Callable[..., int]
     rope: Callable[..., int]
     silu_mul: Callable[..., int]
-    lanes: int  # torch's fp32 vector width: the summation order of mean()
     vec_block: int  # elements per iteration of torch's vectorised unary loop (0: none)
     dll: ctypes.CDLL  # the library (the tests call its checking helpers)
 
@@ -67,16 +69,16 @@ def _build(source: bytes, cc: str) -> Path:
     return cbuild.build("cpu_fused", source, _CFLAGS, cc)
 
 
-def _torch_vector_widths() -> tuple[int, int]:
-    """(fp32 lanes of ATen's Vectorized<float>, bf16 elements per vectorised-loop iteration)
-    for the CPU capability torch dispatches to; they fix the order of its sums and which
-    elements its SiLU computes with SLEEF's exp rather than libm's."""
+def _torch_vec_block() -> int:
+    """bf16 elements per iteration of ATen's vectorised unary loop for the CPU capability
+    torch dispatches to: which elements its SiLU computes with SLEEF's exp rather than libm's
+    (0: none, the generic build computes every element with libm)."""
     cap = torch.backends.cpu.get_cpu_capability()
     if cap.startswith("AVX512"):
-        return 16, 64
+        return 64
     if cap == "AVX2":
-        return 8, 32
-    return 8, 0  # DEFAULT: 32-byte generic vectors, exp element by element (libm)
+        return 32
+    return 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,7 +88,7 @@ def _lib() -> _Lib | None:
     if lib is None:
         return None
     rms = lib.qd_rms_norm_bf16
-    rms.argtypes = [_vp] * 5 + [_int, _int, ctypes.c_float, _int, _int]
+    rms.argtypes = [_vp] * 5 + [_int, _int, ctypes.c_float, _int]
     rms.restype = _int
     rope = lib.qd_rope_neox_bf16
     rope.argtypes = [_vp] * 3 + [_int] * 3 + [ctypes.c_longlong] * 2 + [_int]
@@ -94,8 +96,7 @@ def _lib() -> _Lib | None:
     silu = lib.qd_silu_mul_bf16
     silu.argtypes = [_vp, _vp, _int, _int, _int, _int]
     silu.restype = _int
-    lanes, vec_block = _torch_vector_widths()
-    return _Lib(rms, rope, silu, lanes, vec_block, lib)
+    return _Lib(rms, rope, silu, _torch_vec_block(), lib)
 
 
 def available() -> bool:
@@ -158,7 +159,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.numel() // n
     y = torch.empty_like(x)  # contiguous, like x (faster than torch.empty(shape))
     rc = lib.rms_norm(x.data_ptr(), None, weight.data_ptr(), y.data_ptr(), None, rows, n, eps,
-                      lib.lanes, torch.get_num_threads() if rows > _PAR_ROWS else 1)
+                      torch.get_num_threads() if rows > _PAR_ROWS else 1)
     if rc != 0:
         return rms_norm_ref(x, weight, eps)
     return y
@@ -182,7 +183,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     y = torch.empty_like(x)
     r = torch.empty_like(x)
     rc = lib.rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                      r.data_ptr(), rows, n, eps, lib.lanes,
+                      r.data_ptr(), rows, n, eps,
                       torch.get_num_threads() if rows > _PAR_ROWS else 1)
     if rc != 0:
         return add_rms_norm_ref(x, residual, weight, eps)

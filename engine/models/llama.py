@@ -25,7 +25,8 @@ from kernels.paged_attention_ref import AttentionMetadata
 @dataclass(frozen=True)
 class LayerOps:
     """The small per-layer ops: the torch references (HF op order, used for fp32 and as the
-    fallback) or the fused CPU kernels, which are bit-equal to them in bf16."""
+    fallback) or the fused CPU kernels, which are bit-equal to them in bf16 (RMSNorm: up to
+    its summation order, fixed in the kernel, per CPU kind in torch; see kernels/cpu_fused)."""
 
     rms_norm: Any  # (x, weight, eps) -> y
     add_rms_norm: Any  # (x, residual, weight, eps) -> (y, x + residual)

@@ -43,7 +43,7 @@ def strict(tiny_model_dir: Path) -> Iterator[Served]:
         yield s
 
 
-def wait_no_inflight(served: Served, timeout: float = 10.0) -> None:
+def wait_no_inflight(served: Served, timeout: float = 60.0) -> None:
     """Until the server has no engine request in flight (aborts are asynchronous)."""
     deadline = time.monotonic() + timeout
     while served.gateway.admission.in_flight:

@@ -1,19 +1,26 @@
 """kernels.cpu_fused: fused bf16 RMSNorm / RoPE / SiLU*up against their plain-torch references.
 
-The kernels emulate torch's op order and roundings, so the comparisons are bit for bit
-(``_bits_equal``: same bf16 bit patterns, NaN compared as NaN)."""
+RoPE, SiLU*up and the residual add emulate torch's op order and roundings on every CPU, so
+they are compared bit for bit (``_bits_equal``: same bf16 bit patterns, NaN compared as NaN).
+RMSNorm sums in one fixed order on every CPU: bit for bit against that order written out in
+``sum_order_oracle``, within two bf16 ulps of torch (whose order depends on the CPU)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_fused
+from tests.kernels import sum_order_oracle
 
 needs_kernel = pytest.mark.skipif(
     shutil.which("gcc") is None or not cpu_fused._cpu_supported(),
@@ -55,49 +62,87 @@ def test_available_on_this_machine():
 # ---------------------------------------------------------------------------------- RMSNorm
 
 
+def _within_two_ulps(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The stated tolerance to torch's RMSNorm: torch sums the squares in its own CPU's
+    order (16 lanes under AVX512), the kernel in one fixed order, so the rsqrt may differ
+    by an fp32 ulp and an output by up to two bf16 ulps (each is rounded twice)."""
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=1e-30)
+
+
 @needs_kernel
 @pytest.mark.parametrize("hidden", [576, 64, 100])
 @pytest.mark.parametrize("rows", ROWS)
-def test_rms_norm_bit_exact(rows: int, hidden: int):
+def test_rms_norm_bit_exact_to_its_order_and_close_to_torch(rows: int, hidden: int):
     g = _gen(1, rows, hidden)
     x = _randn(rows, hidden, g=g, scale=3.0)
     w = _randn(hidden, g=g)
     for eps in (1e-5, 1e-6):
-        _bits_equal(cpu_fused.rms_norm(x, w, eps), cpu_fused.rms_norm_ref(x, w, eps))
+        y = cpu_fused.rms_norm(x, w, eps)
+        _bits_equal(y, sum_order_oracle.rms_norm(x, w, eps)[0])
+        _within_two_ulps(y, cpu_fused.rms_norm_ref(x, w, eps))
 
 
 @needs_kernel
 @pytest.mark.parametrize("hidden", [576, 64, 100])
 @pytest.mark.parametrize("rows", ROWS)
-def test_add_rms_norm_bit_exact(rows: int, hidden: int):
+def test_add_rms_norm_bit_exact_to_its_order_and_close_to_torch(rows: int, hidden: int):
     g = _gen(2, rows, hidden)
     x = _randn(rows, hidden, g=g, scale=2.0)
     res = _randn(rows, hidden, g=g, scale=5.0)
     w = _randn(hidden, g=g)
     y, r = cpu_fused.add_rms_norm(x, res, w, 1e-5)
+    y_oracle, r_oracle = sum_order_oracle.rms_norm(x, w, 1e-5, residual=res)
     y_ref, r_ref = cpu_fused.add_rms_norm_ref(x, res, w, 1e-5)
-    _bits_equal(r, r_ref)
-    _bits_equal(y, y_ref)
+    _bits_equal(r, r_ref)  # the add is the same on every CPU
+    _bits_equal(r, r_oracle)
+    _bits_equal(y, y_oracle)
+    _within_two_ulps(y, y_ref)
     assert r.data_ptr() not in (x.data_ptr(), res.data_ptr())  # new tensors, inputs intact
 
 
+SUM_SIZES = [1, 3, 4, 5, 7, 8, 9, 31, 64, 100, 127, 129, 576, 960, 1536, 2049, 4096, 8192, 20000]
+
+
+def _sumsq_inputs(n: int) -> torch.Tensor:
+    g = _gen(3, n)
+    return torch.randn(6, n, generator=g) * torch.rand(6, 1, generator=g) * 10
+
+
 @needs_kernel
-@pytest.mark.parametrize("n", [1, 3, 7, 8, 9, 31, 64, 100, 127, 129, 576, 960, 1536, 2049, 4096,
-                               8192, 20000])
-def test_sum_of_squares_in_torch_order(n: int):
-    """The kernel's sum of squares is torch's x.pow(2).sum(-1) bit for bit, where a plain
-    (here fp64) sum rounded to fp32 differs in about half of the rows."""
+@pytest.mark.parametrize("n", SUM_SIZES)
+def test_sum_of_squares_in_the_fixed_order(n: int):
+    """The kernel's sum of squares is the oracle's order bit for bit, on every CPU; a plain
+    (fp64) sum rounded to fp32 differs in about half of the rows, so the test can tell."""
     lib = cpu_fused._lib()
     assert lib is not None
     fn = lib.dll.qd_sumsq_f32
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
-    g = _gen(3, n)
-    x = torch.randn(40, n, generator=g) * torch.rand(40, 1, generator=g) * 10
-    out = torch.empty(40)
-    assert fn(x.data_ptr(), out.data_ptr(), 40, n, lib.lanes) == 0
-    want = x.pow(2).sum(-1)
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    x = _sumsq_inputs(n)
+    out = torch.empty(x.shape[0])
+    assert fn(x.data_ptr(), out.data_ptr(), x.shape[0], n) == 0
+    want = torch.tensor([sum_order_oracle.sum_of_squares(row) for row in x])
     assert torch.equal(out, want)
-    assert torch.equal(x.pow(2).mean(-1), want / n)  # torch's mean is sum / n on CPU
+
+
+_TORCH_SUMS = """
+import sys, torch
+from tests.kernels.test_cpu_fused import SUM_SIZES, _sumsq_inputs
+assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()
+torch.save({n: _sumsq_inputs(n).pow(2).sum(-1) for n in SUM_SIZES}, sys.argv[1])
+"""
+
+
+def test_fixed_order_is_torchs_avx2_order(tmp_path):
+    """The oracle's order is ATen's AVX2 sum (torch forced to AVX2 in a child process, which
+    works on AVX512 machines too), so on AVX2 machines the kernel equals torch bit for bit."""
+    out = tmp_path / "sums.pt"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    subprocess.run([sys.executable, "-c", _TORCH_SUMS, str(out)], check=True, env=env,
+                   cwd=Path(__file__).parents[2], timeout=120)
+    sums = torch.load(out)
+    for n in SUM_SIZES:
+        want = torch.tensor([sum_order_oracle.sum_of_squares(row) for row in _sumsq_inputs(n)])
+        assert torch.equal(sums[n], want), n
 
 
 @needs_kernel
@@ -107,14 +152,27 @@ def test_rms_norm_many_rows_and_leading_dims():
     w = _randn(576, g=g)
     y = cpu_fused.rms_norm(x, w, 1e-5)
     assert y.shape == x.shape
-    _bits_equal(y, cpu_fused.rms_norm_ref(x, w, 1e-5))
+    _bits_equal(y, sum_order_oracle.rms_norm(x, w, 1e-5)[0])
     res = _randn(2, 300, 576, g=g)
     y, r = cpu_fused.add_rms_norm(x, res, w, 1e-5)
-    y_ref, r_ref = cpu_fused.add_rms_norm_ref(x, res, w, 1e-5)
-    _bits_equal(y, y_ref)
-    _bits_equal(r, r_ref)
+    y_oracle, r_oracle = sum_order_oracle.rms_norm(x, w, 1e-5, residual=res)
+    _bits_equal(y, y_oracle)
+    _bits_equal(r, r_oracle)
     x1 = x[0, 0]  # 1-D
-    _bits_equal(cpu_fused.rms_norm(x1, w, 1e-5), cpu_fused.rms_norm_ref(x1, w, 1e-5))
+    _bits_equal(cpu_fused.rms_norm(x1, w, 1e-5), sum_order_oracle.rms_norm(x1, w, 1e-5)[0])
+
+
+@needs_kernel
+def test_rms_norm_row_does_not_depend_on_the_batch():
+    """Batch invariance: a row normalised alone (one thread) equals the same row inside a
+    threaded 600-row call, at any position."""
+    g = _gen(16)
+    x, res, w = _randn(600, 576, g=g, scale=3.0), _randn(600, 576, g=g), _randn(576, g=g)
+    y_all, r_all = cpu_fused.add_rms_norm(x, res, w, 1e-5)
+    for i in (0, 17, 299, 599):
+        y, r = cpu_fused.add_rms_norm(x[i:i + 1], res[i:i + 1], w, 1e-5)
+        assert torch.equal(y[0], y_all[i]) and torch.equal(r[0], r_all[i])
+        assert torch.equal(cpu_fused.rms_norm(x[i], w, 1e-5), cpu_fused.rms_norm(x, w, 1e-5)[i])
 
 
 @needs_kernel

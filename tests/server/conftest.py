@@ -60,8 +60,9 @@ class Served:
     def free_blocks(self) -> int:
         return self.engine().kv.num_free_blocks
 
-    def wait_idle(self, baseline: int, timeout: float = 10.0) -> None:
-        """Poll until no request is in flight and the KV pool is back at ``baseline``."""
+    def wait_idle(self, baseline: int, timeout: float = 60.0) -> None:
+        """Poll until no request is in flight and the KV pool is back at ``baseline`` (returns
+        at once when it is; the long limit is for a loaded machine, where a step can stall)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.gateway.admission.in_flight == 0 and self.free_blocks() == baseline:
