@@ -35,7 +35,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    # CPU threads per step; None: torch's default, fewer while other processes load our
+    # cores (engine/cpu_threads.py)
+    num_threads: int | None = None
     # Where the model runs: auto (cuda when a GPU is visible, else cpu) | cpu | cuda | cuda:N.
     device: str = "auto"
     # auto (triton on CUDA when triton is installed, else torch) | torch | triton. The torch
@@ -76,6 +78,8 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
+            raise ConfigError(f"num_threads must be in [1, 1024], got {self.num_threads}")
         if self.max_background_tokens_per_step < 1:
             raise ConfigError("max_background_tokens_per_step must be >= 1")
         if self.max_background_tokens_with_interactive < 0:

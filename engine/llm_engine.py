@@ -16,6 +16,7 @@ from typing import Any
 from engine import loader
 from engine.backend import KernelBackend, select_backend
 from engine.config import EngineConfig
+from engine.cpu_threads import ThreadGovernor
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager, cdiv
 from engine.model_runner import GEMV_MAX_ROWS, ModelRunner
@@ -57,6 +58,9 @@ class LLMEngine:
         self.eos_token_ids = loader.eos_token_ids(model_dir, hf_config, self.tokenizer)
         self.max_model_len = self._max_model_len(hf_config)
         self.backend: KernelBackend = backend or select_backend(config)
+        # threads per step: config.num_threads, or adapted to the machine's load (CPU)
+        self.threads = ThreadGovernor(config.num_threads,
+                                      adaptive=self.backend.device.type == "cpu")
         self.draft = self._load_draft()
         self.runner = ModelRunner(config, model_dir, hf_config, self.max_model_len,
                                   self.draft.kv_bytes_per_block() if self.draft else 0,
@@ -197,6 +201,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return self._fail_unschedulable()
+        self.threads.before_step()
         now = time.monotonic()
         for s in sched.requests:
             request = self.scheduler.requests[s.request_id]

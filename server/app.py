@@ -82,9 +82,13 @@ async def health(request: Request) -> Response:
     """200 once the model serves; 503 while loading, draining, or if loading failed."""
     gw: Gateway = request.app.state.gateway
     body: dict[str, Any] = {"status": gw.status, "model": gw.model_name}
-    backend = getattr(getattr(gw.llm, "engine", None), "backend", None)
+    engine = getattr(gw.llm, "engine", None)
+    backend = getattr(engine, "backend", None)
     if backend is not None:  # which kernels run the model, on which device, and why
         body["backend"] = backend.describe()
+    threads = getattr(engine, "threads", None)
+    if threads is not None:  # CPU threads per step, and the load that chose them
+        body["threads"] = threads.describe()
     if gw.error:
         body["error"] = gw.error
     ready = gw.status == "ready" and gw.llm is not None and gw.llm.is_running

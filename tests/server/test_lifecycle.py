@@ -77,6 +77,9 @@ def test_health_503_while_loading_then_200(tiny_model_dir):
         if not torch.cuda.is_available():  # the torch path on CPU
             assert backend["kernel_backend"] == "torch" and backend["device"] == "cpu"
             assert backend["cuda_graphs"] is False and "cpu" in backend["reason"]
+        threads = body["threads"]  # CPU threads per step and the load that chose them
+        assert set(threads) == {"mode", "threads", "max_threads", "other_load"}
+        assert 1 <= threads["threads"] <= threads["max_threads"]
         assert httpx.post(f"{s.http}/v1/chat/completions", json=CHAT).status_code == 200
 
 
