@@ -130,9 +130,9 @@ class ThreadGovernor:
             return
         t0, busy0, own0 = self._last
         self._last = (now, busy, own)
+        # After an idle spell the window is long: its average still says whether a neighbour
+        # kept our cores busy, so the first step of a new request gets the right count.
         wall_ticks = (now - t0) * _CLK_TCK
-        if now - t0 > 10 * self.interval_s:  # the engine was idle: an old window says nothing
-            return
         other = max(0.0, (busy - busy0) - (own - own0)) / wall_ticks
         s = self.state
         s.other_load = round(other, 2)
