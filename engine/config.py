@@ -9,6 +9,7 @@ import torch
 
 SPECULATION_METHODS = ("off", "ngram", "draft", "combined")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+WEIGHT_FORMATS = ("auto", "int4", "dense")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -62,6 +63,10 @@ class EngineConfig:
     max_background_tokens_per_step: int = 64
     enable_prefix_caching: bool = True  # share full KV blocks between equal prefixes
     measure_step_cost: bool = True  # time forward passes at start-up for the spec policy
+    # Linear layers on the GGUF's own 4-bit blocks (engine/weight_format.py): auto (when a
+    # timed decode step says it is faster on this CPU) | int4 (always; error if impossible)
+    # | dense
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -78,6 +83,9 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ConfigError(f"weights must be one of {list(WEIGHT_FORMATS)}, got "
+                              f"{self.weights!r}")
         if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
             raise ConfigError(f"num_threads must be in [1, 1024], got {self.num_threads}")
         if self.max_background_tokens_per_step < 1:

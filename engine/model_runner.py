@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from engine import loader
+from engine import loader, weight_format
 from engine.backend import KernelBackend, select_backend, synchronize
 from engine.config import EngineConfig
 from engine.cuda_graphs import Capture, CUDAGraphRunner, GraphStep, cuda_capture, eager_capture
@@ -142,6 +142,8 @@ class ModelRunner:
         self.graphs = self._make_graphs(max_model_len, capture)
         if self.graphs is not None:
             self.graphs.capture_all()
+        self.weights = weight_format.choose(self, model_dir, hf_config, config.weights)
+        log.info("weights: %s", self.weights.describe())
 
     @property
     def vocab_size(self) -> int:

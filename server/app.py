@@ -86,6 +86,9 @@ async def health(request: Request) -> Response:
     backend = getattr(engine, "backend", None)
     if backend is not None:  # which kernels run the model, on which device, and why
         body["backend"] = backend.describe()
+    weights = getattr(getattr(engine, "runner", None), "weights", None)
+    if weights is not None:  # int4 (the GGUF's own blocks) or dense weights, and why
+        body["weights"] = weights.describe()
     threads = getattr(engine, "threads", None)
     if threads is not None:  # CPU threads per step, and the load that chose them
         body["threads"] = threads.describe()

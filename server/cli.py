@@ -14,6 +14,7 @@ from engine.config import (
     DTYPES,
     KERNEL_BACKENDS,
     SPECULATION_METHODS,
+    WEIGHT_FORMATS,
     ConfigError,
     EngineConfig,
 )
@@ -49,6 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: the Triton kernels on CUDA, else the torch reference path")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode/verification steps eagerly instead of replaying graphs")
+    g.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="int4: run a GGUF's Q4_0/Q4_1 layers on their 4-bit blocks (CPU, "
+                   "bfloat16); auto: when a timed decode step is faster that way (default: "
+                   "%(default)s)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -60,7 +65,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculation=args.speculation or default_speculation(args.draft_model),
         num_speculative_tokens=args.num_speculative_tokens,
         enable_prefix_caching=args.prefix_caching, device=args.device,
-        kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs)
+        kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs, weights=args.weights)
 
 
 def default_speculation(draft_model: str | None) -> str:

@@ -17,8 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.gguf_quant import Q4Weight
 from engine.models.rope import RotaryEmbedding
-from kernels import cpu_fused
+from kernels import cpu_fused, cpu_int4
+from kernels.cpu_int4 import Int4Weight
 from kernels.paged_attention_ref import AttentionMetadata
 
 
@@ -121,6 +123,8 @@ class Linear(nn.Module):
         self.chunk = 0
         self.gemv_rows = 0
         self.scratch: Fp32Scratch | None = None
+        self.int4: Int4Weight | None = None  # 4-bit copy of the weight (kernels.cpu_int4)
+        self.use_int4 = False  # multiply by it instead of the dense weight
 
     def enable_cpu_fast_path(self, gemv: Any, chunk: int, gemv_rows: int,
                              scratch: Fp32Scratch | None = None) -> None:
@@ -129,6 +133,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         rows = x.shape[0]
+        if self.use_int4 and self.int4 is not None:  # every row count: batch-invariant
+            y = cpu_int4.linear(x, self.int4)
+            return y if self.bias is None else y + self.bias
         if self.gemv is None:
             return F.linear(x, self.weight, self.bias)
         if rows <= self.chunk:
@@ -276,6 +283,35 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.enable_cpu_fast_path(gemv, chunk, gemv_rows, scratch)
 
+    def attach_int4_weights(self, weights: dict[str, Q4Weight]) -> int:
+        """Give the layers 4-bit copies of their weights from ``weights`` (HF names, e.g. a
+        GGUF's Q4_1 matrices); a fused matrix (qkv, gate_up) only when all its parts are
+        there. Returns how many linear layers have one (an empty dict drops them all)."""
+        count = 0
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            for target, parts in _fused_parts(self.shape).items():
+                linear = layer.get_submodule(target)
+                assert isinstance(linear, Linear)
+                names = [f"{prefix}{part}.weight" for part in parts]
+                if (weights and all(n in weights for n in names)
+                        and cpu_int4.supports(*linear.weight.shape)):
+                    q4 = Q4Weight.cat([weights[n] for n in names])
+                    if q4.shape != tuple(linear.weight.shape):
+                        raise ValueError(f"{names[0]}: 4-bit shape {q4.shape}, expected "
+                                         f"{tuple(linear.weight.shape)}")
+                    linear.int4 = cpu_int4.pack(q4.q, q4.d, q4.m)
+                    count += 1
+                else:
+                    linear.int4, linear.use_int4 = None, False
+        return count
+
+    def use_int4(self, enabled: bool) -> None:
+        """Multiply by the attached 4-bit weights (where a layer has them) or the dense ones."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_int4 = enabled and module.int4 is not None
+
     def use_layer_ops(self, ops: LayerOps) -> None:
         """Run the small per-layer ops with ``ops`` (e.g. the Triton kernels)."""
         self.ops = ops
@@ -328,6 +364,14 @@ def _slices(shape: ModelShape) -> dict[str, tuple[str, tuple[int, int] | None]]:
         "self_attn.o_proj": ("self_attn.o", None),
         "mlp.down_proj": ("mlp.down", None),
     }
+
+
+def _fused_parts(shape: ModelShape) -> dict[str, list[str]]:
+    """Our linear layers -> the HF matrices stacked in them, in row order."""
+    parts: dict[str, list[str]] = {}
+    for hf, (target, _rows) in _slices(shape).items():
+        parts.setdefault(target, []).append(hf)
+    return parts
 
 
 def _map_weight(name: str, shape: ModelShape) -> tuple[str | None, tuple[int, int] | None]:

@@ -1,0 +1,112 @@
+"""The GGUF's own 4-bit weights, read as stored, for the native int4 path.
+
+A GGUF converted for HF (``engine.loader``) is dequantized to fp32; this module reads the
+quantized blocks of the same file instead, so that the linear layers can run on them
+(``kernels.cpu_int4``) and read 4.5 bits a weight rather than 16.
+
+Formats that map exactly onto a 4-bit code with one fp scale and offset per 32 weights
+(``w = d · q + m``, ``q`` in 0..15):
+
+- ``Q4_1``: blocks of 32: fp16 ``d``, fp16 ``m``, 16 bytes of nibbles (low nibbles are
+  weights 0-15, high nibbles 16-31);
+- ``Q4_0``: blocks of 32: fp16 ``d``, nibbles; ``w = d · (q − 8)``, i.e. ``m = −8 d``.
+
+(Q4_K's sub-blocks map the same way and are left for later; tensors in other formats are
+not returned, and their layers keep the dense weights.) Tensor names are the HF ones, and the
+Llama q/k rows are permuted back as transformers does when it dequantizes, so row ``i``
+here is row ``i`` of the converted checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GROUP = 32  # weights per scale/offset
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """``w[n, k] = d[n, k // 32] · q[n, k] + m[n, k // 32]`` for a ``[out, in]`` matrix."""
+
+    q: torch.Tensor  # [out, in] uint8, values 0..15
+    d: torch.Tensor  # [out, in / 32] fp32 (exact: fp16 in the file)
+    m: torch.Tensor  # [out, in / 32] fp32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] fp32, as gguf/transformers compute it
+        out, k = self.shape
+        q = self.q.view(out, k // GROUP, GROUP).float()
+        return (self.d[..., None] * q + self.m[..., None]).view(out, k)
+
+    def rows(self, index: torch.Tensor) -> Q4Weight:
+        return Q4Weight(self.q[index], self.d[index], self.m[index])
+
+    @staticmethod
+    def cat(parts: list[Q4Weight]) -> Q4Weight:
+        """Stacked along the output rows (q, k, v into one qkv matrix)."""
+        return Q4Weight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                        torch.cat([p.m for p in parts]))
+
+
+def _unpack(blocks: np.ndarray, out: int, k: int, has_min: bool) -> Q4Weight:
+    """Raw ``[out, bytes per row]`` uint8 rows of Q4_1 (``has_min``) or Q4_0 blocks."""
+    size = 20 if has_min else 18
+    b = np.ascontiguousarray(blocks).reshape(out, k // GROUP, size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if has_min:
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = b[..., 4:]
+    else:
+        m = -8.0 * d  # exact: a power-of-two multiple
+        nibbles = b[..., 2:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # [out, groups, 32]
+    return Q4Weight(torch.from_numpy(q.reshape(out, k).copy()),
+                    torch.from_numpy(d.copy()), torch.from_numpy(m.copy()))
+
+
+def _unpermute_rows(out: int, heads: int) -> torch.Tensor:
+    """Row order transformers gives a llama.cpp-permuted q/k matrix of ``heads`` heads."""
+    half = out // heads // 2
+    return torch.arange(out).view(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
+                    num_kv_heads: int) -> dict[str, Q4Weight]:
+    """Every layer matrix of the file stored as Q4_1 or Q4_0, keyed by its HF name
+    (``model.layers.N.self_attn.q_proj.weight``); ``llama_permute``: the architecture whose
+    q/k rows transformers permutes back (llama/mistral, not qwen2)."""
+    from gguf import GGMLQuantizationType, GGUFReader  # optional at import time
+
+    kinds = {GGMLQuantizationType.Q4_1: True, GGMLQuantizationType.Q4_0: False}
+    reader = GGUFReader(str(gguf_path))
+    weights: dict[str, Q4Weight] = {}
+    for tensor in reader.tensors:
+        match = _BLOCK.fullmatch(tensor.name)
+        if match is None or tensor.tensor_type not in kinds:
+            continue
+        layer, kind = match.groups()
+        if kind not in _LAYER_NAMES:
+            continue
+        k, out = (int(v) for v in tensor.shape[:2])  # GGUF lists the fastest dim first
+        if k % GROUP:
+            continue
+        w = _unpack(tensor.data, out, k, kinds[tensor.tensor_type])
+        if llama_permute and kind in ("attn_q", "attn_k"):
+            w = w.rows(_unpermute_rows(out, num_heads if kind == "attn_q" else num_kv_heads))
+        weights[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = w
+    return weights

@@ -1,0 +1,56 @@
+"""engine.gguf_quant: a GGUF's 4-bit blocks read as stored, equal to what transformers makes of
+them once dequantized (so the int4 path multiplies by the same numbers as the fp32 oracle)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from engine import gguf_quant, loader
+
+
+def _random_blocks(kind: GGMLQuantizationType, rows: int, k: int, seed: int) -> np.ndarray:
+    """Valid blocks: finite fp16 scales, random nibbles."""
+    rng = np.random.default_rng(seed)
+    size = 20 if kind == GGMLQuantizationType.Q4_1 else 18
+    b = rng.integers(0, 256, size=(rows, k // 32, size), dtype=np.uint8)
+    scales = 2 if kind == GGMLQuantizationType.Q4_1 else 1
+    fp = (rng.standard_normal((rows, k // 32, scales)) * 0.05).astype(np.float16)
+    b[..., : 2 * scales] = fp.view(np.uint8).reshape(rows, k // 32, 2 * scales)
+    return b.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_0])
+def test_unpack_equals_gguf_dequantize(kind):
+    rows, k = 7, 96
+    blocks = _random_blocks(kind, rows, k, seed=int(kind))
+    w = gguf_quant._unpack(blocks, rows, k, has_min=kind == GGMLQuantizationType.Q4_1)
+    assert w.q.dtype == torch.uint8 and int(w.q.max()) <= 15 and w.shape == (rows, k)
+    want = torch.from_numpy(quants.dequantize(blocks, kind).reshape(rows, k))
+    assert torch.equal(w.dequantize(), want)
+
+
+def test_rows_and_cat_keep_blocks_whole():
+    blocks = _random_blocks(GGMLQuantizationType.Q4_1, 6, 64, seed=3)
+    w = gguf_quant._unpack(blocks, 6, 64, has_min=True)
+    perm = gguf_quant._unpermute_rows(6, 1)  # one head of 6 rows: (3, 2) -> (2, 3)
+    assert perm.tolist() == [0, 2, 4, 1, 3, 5]
+    assert torch.equal(w.rows(perm).dequantize(), w.dequantize()[perm])
+    both = gguf_quant.Q4Weight.cat([w, w.rows(perm)])
+    assert torch.equal(both.dequantize(), torch.cat([w.dequantize(), w.dequantize()[perm]]))
+
+
+@pytest.mark.slow
+def test_default_model_blocks_equal_the_converted_checkpoint(default_model_dir):
+    """Every Q4_1 matrix of the embedded GGUF, read natively (names mapped, q/k rows
+    permuted back), dequantizes bit for bit to the fp32 checkpoint transformers made."""
+    config = loader.load_config(default_model_dir)
+    q4 = gguf_quant.read_q4_weights(loader.default_gguf_path(), llama_permute=True,
+                                    num_heads=config.num_attention_heads,
+                                    num_kv_heads=config.num_key_value_heads)
+    assert len(q4) == 7 * config.num_hidden_layers  # q k v o gate up down, every layer
+    dense = dict(loader.iter_safetensors(default_model_dir))
+    for name, w in q4.items():
+        assert torch.equal(w.dequantize(), dense[name]), name

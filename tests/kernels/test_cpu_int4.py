@@ -1,0 +1,74 @@
+"""kernels.cpu_int4: linear layers on 4-bit group-32 weights (torch's CPU int4 kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_int4
+
+pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="no CPU int4 ops in torch")
+
+
+def _weights(out: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(out, k // 32, generator=g) * 0.02 + 1e-3).half().float()  # fp16 values
+    m = (torch.randn(out, k // 32, generator=g) * 0.1).half().float()
+    return q, d, m
+
+
+def _dense(q, d, m) -> torch.Tensor:  # w = d * q + m, fp32 [out, k]
+    out, k = q.shape
+    return (d[..., None] * q.reshape(out, k // 32, 32).float() + m[..., None]).view(out, k)
+
+
+@pytest.mark.parametrize(("out", "k"), [(960, 576), (64, 1536), (48, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_linear_is_close_to_the_fp32_product(out, k, rows):
+    """Stated tolerance: bf16 activations and bf16 scale/offset put the result within
+    2 % of the largest output (plus 2 % of each value) of x @ w.T in fp32; against the
+    weights the kernel really uses (bf16-rounded scales) only bf16 output rounding is left."""
+    q, d, m = _weights(out, k, seed=out + k)
+    w = cpu_int4.pack(q, d, m)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    y = cpu_int4.linear(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
+    exact = x.float() @ _dense(q, d, m).t()
+    scale = float(exact.abs().max())
+    torch.testing.assert_close(y.float(), exact, rtol=0.02, atol=0.02 * scale)
+    # the weights the kernel really uses: scale d and offset m + 8 d rounded to bf16
+    d16, z16 = d.bfloat16().float(), (m + 8 * d).bfloat16().float()
+    used = x.float() @ _dense(q.float() - 8, d16, z16).t()
+    err = (y.float() - used).abs()
+    assert float(err.max()) <= 2**-7 * float(used.abs().max()) + 1e-6
+
+
+def test_fp32_input_returns_fp32():
+    w = cpu_int4.pack(*_weights(32, 64, seed=1))
+    x = torch.randn(3, 64)
+    y = cpu_int4.linear(x, w)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, cpu_int4.linear(x.bfloat16(), w).float())
+
+
+def test_a_row_does_not_depend_on_the_other_rows():
+    """Batch invariance: each row alone equals the same row inside any batch."""
+    w = cpu_int4.pack(*_weights(1536, 576, seed=2))
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(5)).bfloat16()
+    full = cpu_int4.linear(x, w)
+    for start, size in [(0, 1), (7, 1), (3, 2), (10, 5), (40, 8), (100, 17), (0, 64),
+                        (299, 1)]:
+        assert torch.equal(cpu_int4.linear(x[start:start + size], w),
+                           full[start:start + size]), (start, size)
+
+
+def test_pack_rejects_bad_shapes():
+    q, d, m = _weights(8, 64, seed=3)
+    with pytest.raises(ValueError, match="in % 32"):
+        cpu_int4.pack(q[:, :48], d, m)
+    with pytest.raises(ValueError, match="out % 16"):
+        cpu_int4.pack(q[:5], d[:5], m[:5])
+    assert cpu_int4.supports(960, 576) and not cpu_int4.supports(33, 64)
+    with pytest.raises(ValueError):
+        cpu_int4.pack(q, d[:, :1], m)
