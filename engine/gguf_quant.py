@@ -19,12 +19,14 @@ here is row ``i`` of the converted checkpoint.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 GROUP = 32  # weights per scale/offset
 
@@ -109,4 +111,31 @@ def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
         if llama_permute and kind in ("attn_q", "attn_k"):
             w = w.rows(_unpermute_rows(out, num_heads if kind == "attn_q" else num_kv_heads))
         weights[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = w
+    return weights
+
+
+def save_q4_weights(path: Path, weights: dict[str, Q4Weight]) -> None:
+    """Write ``weights`` to one safetensors file (two codes a byte), atomically: reading the
+    GGUF takes seconds (its Python reader parses the whole tokenizer), this file loads in a
+    fraction of one."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        tensors[f"{name}.q"] = (w.q[:, 0::2] | (w.q[:, 1::2] << 4)).contiguous()
+        tensors[f"{name}.d"], tensors[f"{name}.m"] = w.d.contiguous(), w.m.contiguous()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def load_q4_weights(path: Path) -> dict[str, Q4Weight]:
+    """What :func:`save_q4_weights` wrote."""
+    tensors = load_file(str(path))
+    weights: dict[str, Q4Weight] = {}
+    for key in tensors:
+        if not key.endswith(".q"):
+            continue
+        name = key[:-2]
+        pairs = tensors[key]  # [out, in / 2]
+        q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).view(pairs.shape[0], -1)
+        weights[name] = Q4Weight(q, tensors[f"{name}.d"], tensors[f"{name}.m"])
     return weights

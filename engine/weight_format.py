@@ -27,6 +27,8 @@ from engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
+Q4_CACHE_FILE = "q4_weights.safetensors"  # beside the converted checkpoint
+
 
 @dataclass(frozen=True)
 class WeightChoice:
@@ -77,14 +79,9 @@ def choose(runner: Any, model_dir: Path | None, hf_config: Any, requested: str,
         if requested == "int4":
             raise ConfigError(f"--weights int4 cannot run here: {reason}")
         return WeightChoice("dense", f"int4 not possible: {reason}")
-    from engine import gguf_quant
-
     source = gguf_source(model_dir)
-    assert source is not None
-    model_type = getattr(hf_config, "model_type", "llama")
-    q4 = gguf_quant.read_q4_weights(
-        source, llama_permute=model_type in ("llama", "mistral"),
-        num_heads=hf_config.num_attention_heads, num_kv_heads=hf_config.num_key_value_heads)
+    assert source is not None and model_dir is not None
+    q4 = _q4_weights(source, Path(model_dir), hf_config)
     layers = runner.model.attach_int4_weights(q4)
     if layers == 0:
         if requested == "int4":
@@ -101,6 +98,27 @@ def choose(runner: Any, model_dir: Path | None, hf_config: Any, requested: str,
     why = (f"measured a batch-1 decode step: int4 {int4_ms:.2f} ms, dense bf16 "
            f"{dense_ms:.2f} ms")
     return WeightChoice("int4" if faster else "dense", why, layers if faster else 0)
+
+
+def _q4_weights(source: Path, model_dir: Path, hf_config: Any) -> dict[str, Any]:
+    """The GGUF's 4-bit matrices, from the conversion's cache directory once read."""
+    from engine import gguf_quant
+
+    cached = model_dir / Q4_CACHE_FILE
+    if cached.is_file():
+        try:
+            return gguf_quant.load_q4_weights(cached)
+        except Exception as exc:  # a damaged cache file: read the GGUF again
+            log.warning("ignoring %s (%s)", cached, exc)
+    model_type = getattr(hf_config, "model_type", "llama")
+    q4 = gguf_quant.read_q4_weights(
+        source, llama_permute=model_type in ("llama", "mistral"),
+        num_heads=hf_config.num_attention_heads, num_kv_heads=hf_config.num_key_value_heads)
+    try:
+        gguf_quant.save_q4_weights(cached, q4)
+    except OSError as exc:  # a read-only cache still works, only slower to start
+        log.warning("cannot cache the 4-bit weights in %s: %s", cached, exc)
+    return q4
 
 
 def _time_both(runner: Any, repeats: int) -> tuple[float, float]:

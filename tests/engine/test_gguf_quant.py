@@ -54,3 +54,17 @@ def test_default_model_blocks_equal_the_converted_checkpoint(default_model_dir):
     dense = dict(loader.iter_safetensors(default_model_dir))
     for name, w in q4.items():
         assert torch.equal(w.dequantize(), dense[name]), name
+
+
+def test_cache_file_round_trips(tmp_path):
+    w = {f"model.layers.{i}.mlp.up_proj.weight": gguf_quant._unpack(
+        _random_blocks(GGMLQuantizationType.Q4_1, 16, 64, seed=i), 16, 64, has_min=True)
+        for i in range(2)}
+    path = tmp_path / "q4.safetensors"
+    gguf_quant.save_q4_weights(path, w)
+    back = gguf_quant.load_q4_weights(path)
+    assert back.keys() == w.keys()
+    for name in w:
+        assert torch.equal(back[name].q, w[name].q)
+        assert torch.equal(back[name].dequantize(), w[name].dequantize())
+    assert [p.name for p in tmp_path.iterdir()] == ["q4.safetensors"]  # no temp file left
