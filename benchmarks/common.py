@@ -81,6 +81,21 @@ def total_memory_gb() -> float | None:
     return None
 
 
+_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+          "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """The vector-ISA flags of this CPU that decide our kernels (from /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return []
+    have = set(line.split(":", 1)[-1].split())
+    return [flag for flag in _FLAGS if flag in have]
+
+
 def machine_info() -> dict[str, Any]:
     """What a result depends on: CPU, cores, memory, library versions, date."""
     try:
@@ -98,6 +113,8 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "usable_cores": affinity,
         "torch_threads": torch.get_num_threads(),
+        "cpu_flags": cpu_flags(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "memory_gb": total_memory_gb(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "platform": platform.platform(),
@@ -166,20 +183,20 @@ def save_figure(fig: Any, path: Path, dpi: int = 120) -> Path:
     return path
 
 
-def new_figure(width: float = 7.0, height: float = 4.5) -> tuple[Any, Any]:
-    """A headless (Agg) matplotlib figure and axes."""
+def new_figure(width: float = 7.0, height: float = 4.5, ncols: int = 1) -> tuple[Any, Any]:
+    """A headless (Agg) matplotlib figure and its axes (a tuple of them when ncols > 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(width, height))
+    return plt.subplots(1, ncols, figsize=(width, height))
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table; floats are written with :func:`fmt`."""
     def cell(v: Any) -> str:
-        return fmt(v) if isinstance(v, float) else str(v)
+        return fmt(v) if isinstance(v, float) else "—" if v is None else str(v)
 
     lines = ["| " + " | ".join(headers) + " |",
              "|" + "|".join("---:" for _ in headers) + "|"]

@@ -1,8 +1,14 @@
-"""Decode throughput: our engine vs HF transformers ``generate`` vs the memory-bandwidth floor.
+"""Decode throughput on a CPU: quickdraft on the GGUF's own 4-bit weights and on dense bf16
+weights, HF transformers ``generate``, llama.cpp on the same GGUF, and the bandwidth floor;
+plus the cost of a step as its row count grows (what verification costs) and batch-1 decode
+beside a busy process.
 
-For each batch size B (default 1, 4, 16, 32) both engines generate exactly N tokens
-(greedy, EOS ignored) for the same B chat prompts, one after the other, ``--repeats`` times;
-the median is reported. Prefill is timed separately so that
+For each batch size B (default 1, 8, 32) every system generates exactly N tokens (greedy,
+EOS ignored) for the same B chat prompts, interleaved, ``--repeats`` times; the median is
+reported. llama.cpp (``llama-cpp-python`` in this Python, ``--llama-cpp-python PATH`` or
+$QUICKDRAFT_LLAMA_CPP_PYTHON; build recipe in ../shared/PEERS.md) runs batch 1 only, 2
+threads, and is skipped with a note when it is not installed. Prefill is timed separately so
+that
 
     decode tok/s     = (N - 1) * B / (total - prefill)
     end-to-end tok/s = N * B / total
@@ -25,9 +31,7 @@ Run: ``python benchmarks/decode.py`` (a few minutes on a small CPU); writes
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +47,21 @@ from common import (
     machine_summary,
     markdown_table,
     measure_memory_bandwidth,
-    median,
     new_figure,
     save_figure,
-    summarize,
     write_json,
 )
+from decode_extras import (
+    decode_beside_busy_process,
+    find_llama_cpp_python,
+    row_cost_curve,
+    run_llama_cpp,
+)
+from decode_runs import aggregate, agreement, rates, run_hf, run_ours, weight_bytes_per_step
 
-from engine.config import DTYPES, EngineConfig
+from engine import weight_format
+from engine.config import ConfigError, EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",
@@ -90,111 +99,7 @@ PROMPTS = [
 ]
 
 
-# ---------------------------------------------------------------------- runs
-
-
-def run_ours(engine: LLMEngine, prompts: list[list[int]], n: int, tag: str) -> dict[str, Any]:
-    """One batch through our engine: all requests added at once, stepped to completion."""
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    rids = [f"{tag}-{i}" for i in range(len(prompts))]
-    tokens: dict[str, list[int]] = {rid: [] for rid in rids}
-    steps = 0
-    first: float | None = None
-    start = time.perf_counter()
-    for rid, ids in zip(rids, prompts, strict=True):
-        engine.add_request(rid, sampling_params=params, prompt_token_ids=ids)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.error:
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-            tokens[out.request_id].extend(out.token_ids)
-        steps += 1
-        if first is None and all(tokens[r] for r in rids):
-            first = time.perf_counter() - start
-    total = time.perf_counter() - start
-    counts = {len(t) for t in tokens.values()}
-    if counts != {n}:
-        raise RuntimeError(f"ours generated {sorted(counts)} tokens per request, expected {n}")
-    assert first is not None
-    return {"prefill_s": first, "total_s": total, "steps": steps,
-            "tokens": [tokens[r] for r in rids]}
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
-    mask = torch.zeros((len(prompts), width), dtype=torch.int64)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
-@torch.inference_mode()
-def run_hf(model: Any, prompts: list[list[int]], n: int, pad_id: int) -> dict[str, Any]:
-    """One static batch through HF ``generate``: a 1-token run (prefill), then the N-token run."""
-    ids, mask = left_pad(prompts, pad_id)
-    common = {"attention_mask": mask, "do_sample": False, "pad_token_id": pad_id}
-    start = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **common)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **common)
-    total = time.perf_counter() - start
-    new = out[:, ids.shape[1]:]
-    if new.shape[1] != n:
-        raise RuntimeError(f"HF generated {new.shape[1]} tokens, expected {n}")
-    return {"prefill_s": prefill, "total_s": total, "tokens": new.tolist()}
-
-
-def rates(run: dict[str, Any], batch: int, n: int) -> dict[str, float]:
-    decode_time = run["total_s"] - run["prefill_s"]
-    return {
-        "prefill_s": run["prefill_s"],
-        "total_s": run["total_s"],
-        "decode_tok_s": (n - 1) * batch / decode_time if n > 1 and decode_time > 0 else 0.0,
-        "e2e_tok_s": n * batch / run["total_s"],
-    }
-
-
-def aggregate(runs: list[dict[str, float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {key: median([r[key] for r in runs]) for key in runs[0]}
-    out["runs"] = {key: summarize([r[key] for r in runs]) for key in runs[0]}
-    return out
-
-
-def agreement(ours: list[list[int]], hf: list[list[int]], eos: frozenset[int]) -> dict[str, Any]:
-    """How far the greedy outputs agree (bf16 may legitimately diverge after a while).
-
-    The two differ by design once a sequence reaches EOS: HF's ``min_new_tokens`` masks EOS
-    (the runner-up token is taken), ``ignore_eos`` emits EOS and carries on. So a sequence
-    also counts as agreeing when both match up to and including ours' first EOS.
-    """
-    identical = until_eos = 0
-    prefix = []
-    for a, b in zip(ours, hf, strict=True):
-        k = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        first_eos = next((i for i, t in enumerate(a) if t in eos), len(a))
-        identical += k == len(a)
-        until_eos += k >= first_eos
-        prefix.append(k)
-    return {"identical_sequences": identical, "identical_until_eos": until_eos,
-            "sequences": len(ours), "mean_common_prefix": sum(prefix) / len(prefix)}
-
-
 # ---------------------------------------------------------------------- floor
-
-
-def weight_bytes_per_step(engine: LLMEngine) -> dict[str, Any]:
-    """Bytes of weights one decode step reads: all parameters except an untied embedding."""
-    model = engine.runner.model
-    params = dict(model.named_parameters())  # a tied lm_head is the same tensor: counted once
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    embed = model.embed_tokens.numel() * model.embed_tokens.element_size()
-    tied = model.shape.tie_word_embeddings
-    per_step = total if tied else total - embed
-    return {"parameter_bytes": total, "bytes_per_step": per_step, "tied_embedding": tied,
-            "num_parameters": sum(p.numel() for p in params.values())}
 
 
 def measure_bandwidth(when: str) -> dict[str, Any]:
@@ -207,44 +112,75 @@ def measure_bandwidth(when: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- output
 
+SYSTEMS = {"int4": "quickdraft int4 (GGUF blocks)", "bf16": "quickdraft bf16 (dense)",
+           "hf": "HF generate bf16"}
 
-def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
-    fig, ax = new_figure()
+
+def plot(data: dict[str, Any], path: Path, title: str) -> None:
+    fig, (ax, ax2) = new_figure(width=11.0, height=4.5, ncols=2)
+    results = data["results"]
     bs = [r["batch"] for r in results]
-    ax.plot(bs, [r["ours"]["decode_tok_s"] for r in results], "o-", color="C0",
-            label="quickdraft (decode)")
-    ax.plot(bs, [r["hf"]["decode_tok_s"] for r in results], "s-", color="C1",
-            label="HF generate, static batch (decode)")
-    ax.plot(bs, [r["ours"]["e2e_tok_s"] for r in results], "o:", color="C0", alpha=0.5,
-            label="quickdraft (end-to-end)")
-    ax.plot(bs, [r["hf"]["e2e_tok_s"] for r in results], "s:", color="C1", alpha=0.5,
-            label="HF (end-to-end)")
+    for i, (key, label) in enumerate(SYSTEMS.items()):
+        if all(key in r for r in results):
+            ax.plot(bs, [r[key]["decode_tok_s"] for r in results], "o-", color=f"C{i}",
+                    label=label)
+    if data.get("llama_cpp", {}).get("decode_tok_s"):
+        ax.plot([1], [data["llama_cpp"]["decode_tok_s"]], "D", color="C3",
+                label="llama.cpp (same GGUF, batch 1)")
     ax.plot(bs, [r["floor_tok_s"] for r in results], "--", color="grey",
-            label="memory-bandwidth floor")
+            label="bandwidth floor (bf16 weights)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(bs)
     ax.set_xticklabels([str(b) for b in bs])
-    ax.set_xlabel("concurrent sequences (batch size)")
-    ax.set_ylabel("generated tokens / s (all sequences)")
-    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("concurrent sequences")
+    ax.set_ylabel("decode tokens / s (all sequences)")
+    ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
+    for i, (key, curve) in enumerate(data["row_cost"].items()):
+        ax2.plot(curve["rows"], curve["ratio"], "o-", color=f"C{i}", label=SYSTEMS[key])
+    ax2.plot([1, 2, 4, 8], [1.0, 1.15, 1.3, 1.7], "k:", label="goal")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("rows in the step (1 + drafts)")
+    ax2.set_ylabel("step time / 1-row step time")
+    ax2.set_title("cost of verification rows, batch-1 sequence", fontsize=9)
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=7)
     save_figure(fig, path)
 
 
-def tables(results: list[dict[str, Any]]) -> str:
+def tables(data: dict[str, Any]) -> str:
+    results, present = data["results"], [k for k in SYSTEMS if k in data["results"][0]]
     main = markdown_table(
-        ["batch", "ours tok/s", "HF tok/s", "ours/HF", "floor", "ours/floor"],
-        [[r["batch"], r["ours"]["decode_tok_s"], r["hf"]["decode_tok_s"],
-          r["ours"]["decode_tok_s"] / r["hf"]["decode_tok_s"], r["floor_tok_s"],
-          r["ours"]["decode_tok_s"] / r["floor_tok_s"]] for r in results])
-    extra = markdown_table(
-        ["batch", "ours TTFT s", "HF TTFT s", "ours e2e tok/s", "HF e2e tok/s", "ours/HF e2e"],
-        [[r["batch"], r["ours"]["prefill_s"], r["hf"]["prefill_s"], r["ours"]["e2e_tok_s"],
-          r["hf"]["e2e_tok_s"], r["ours"]["e2e_tok_s"] / r["hf"]["e2e_tok_s"]]
-         for r in results])
-    return f"Decode tok/s (prefill excluded):\n\n{main}\n\nPrefill and end-to-end:\n\n{extra}"
+        ["batch", *[f"{SYSTEMS[k]} tok/s" for k in present], "int4/bf16", "int4/HF", "floor"],
+        [[r["batch"], *[r[k]["decode_tok_s"] for k in present],
+          r["int4"]["decode_tok_s"] / r["bf16"]["decode_tok_s"]
+          if "int4" in r and "bf16" in r else None,
+          r["int4"]["decode_tok_s"] / r["hf"]["decode_tok_s"] if "int4" in r and "hf" in r
+          else None,
+          r["floor_tok_s"]] for r in results])
+    lc = data["llama_cpp"]
+    peer = (f"llama.cpp {lc['version']} (same GGUF, {lc['threads']} threads), batch 1: "
+            f"{fmt(lc['decode_tok_s'])} tok/s; quickdraft int4 / llama.cpp = "
+            f"{fmt(results[0]['int4']['decode_tok_s'] / lc['decode_tok_s'])}"
+            if lc.get("decode_tok_s") and "int4" in results[0] else
+            f"llama.cpp: {lc.get('skipped', 'not run')}")
+    rows = next(iter(data["row_cost"].values()))["rows"]
+    curve = markdown_table(
+        ["weights", *[f"{k} rows" for k in rows]],
+        [[SYSTEMS[key], *[f"{ms:.2f} ms ({ratio:.2f}x)" for ms, ratio in
+                          zip(c["ms"], c["ratio"], strict=True)]]
+         for key, c in data["row_cost"].items()])
+    cont = data["contention"]
+    busy = markdown_table(
+        ["engine", "idle tok/s", "busy tok/s", "busy/idle", "longest gap busy ms",
+         "TTFT idle ms", "TTFT busy ms"],
+        [[name, cont["idle"][name]["decode_tok_s"], cont["busy"][name]["decode_tok_s"],
+          cont["ratio"][name], cont["busy"][name]["max_gap_ms"], cont["idle"][name]["ttft_ms"],
+          cont["busy"][name]["ttft_ms"]] for name in cont["idle"]])
+    return (f"Decode tok/s (prefill excluded):\n\n{main}\n\n{peer}\n\nStep cost by rows:\n\n"
+            f"{curve}\n\nBatch-1 decode beside `{cont['competitor']}`:\n\n{busy}")
 
 
 # ---------------------------------------------------------------------- main
@@ -252,17 +188,20 @@ def tables(results: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--batch-sizes", default="1,4,16,32",
-                   help="comma-separated batch sizes (default 1,4,16,32)")
+    p.add_argument("--batch-sizes", default="1,8,32",
+                   help="comma-separated batch sizes (default 1,8,32)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--model", default=None, help="model dir or .gguf (default: embedded)")
-    p.add_argument("--speculation", default="off", choices=["off", "ngram"],
-                   help="our engine's speculation (default off: plain decoding vs plain HF)")
+    p.add_argument("--model", default=None, help="a .gguf (default: the embedded one)")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip HF generate")
+    p.add_argument("--llama-cpp-python", default=None,
+                   help="a Python with llama-cpp-python installed (default: "
+                   "$QUICKDRAFT_LLAMA_CPP_PYTHON, then this one)")
+    p.add_argument("--rows", default="1,2,4,8,16", help="row counts of the step-cost curve")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    args.rows = [int(r) for r in args.rows.split(",") if r.strip()]
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         p.error("--batch-sizes must be positive integers")
     if max(args.batch_sizes) > len(PROMPTS):
@@ -272,6 +211,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     return args
+
+
+def _engine(args: argparse.Namespace, weights: str, **kw: Any) -> LLMEngine | None:
+    config = EngineConfig(model=args.model, dtype="bfloat16", speculation="off",
+                          max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=2048,
+                          weights=weights, measure_step_cost=False, **kw)
+    try:
+        return LLMEngine(config, progress=False)
+    except ConfigError as exc:
+        print(f"skipping --weights {weights}: {exc}", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -284,117 +234,121 @@ def main(argv: list[str] | None = None) -> None:
     n, sizes = args.max_new_tokens, args.batch_sizes
     info = machine_info()
     print(f"machine: {machine_summary(info)}", file=sys.stderr)
-
     bandwidth_runs = [measure_bandwidth("before")]
 
-    extra = {}
-    if "speculation" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        extra["speculation"] = args.speculation
-    elif args.speculation != "off":
-        raise SystemExit("this engine build has no speculation setting")
-    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=max(sizes),
-                          max_num_batched_tokens=2048, **extra)
-    start = time.perf_counter()
-    engine = LLMEngine(config, progress=False)
-    ours_load = time.perf_counter() - start
-    model_dir = engine.info.model_dir
-    start = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype])
-    hf.eval()
-    hf_load = time.perf_counter() - start
-    pad_id = engine.tokenizer.pad_token_id
+    engines = {k: e for k, e in (("int4", _engine(args, "int4")),
+                                 ("bf16", _engine(args, "dense"))) if e is not None}
+    base = next(iter(engines.values()))
+    model_dir = base.info.model_dir
+    hf = None
+    if args.hf:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    pad_id = base.tokenizer.pad_token_id
     if pad_id is None:
-        pad_id = min(engine.eos_token_ids)
-    print(f"loaded {model_dir} ({args.dtype}): ours {ours_load:.1f}s, HF {hf_load:.1f}s",
-          file=sys.stderr)
+        pad_id = min(base.eos_token_ids)
+    prompts = [base.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
 
-    weights = weight_bytes_per_step(engine)
-    prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
-
-    # warm up both (allocator, oneDNN kernels) at every batch size with a short run
     for b in tqdm(sizes, desc="warm-up", leave=False):
-        run_ours(engine, prompts[:b], 4, f"warm{b}")
-        run_hf(hf, prompts[:b], 4, pad_id)
+        for key, engine in engines.items():
+            run_ours(engine, prompts[:b], 4, f"warm{key}{b}")
+        if hf is not None:
+            run_hf(hf, prompts[:b], 4, pad_id)
 
     results = []
-    bar = tqdm(total=len(sizes) * args.repeats * 2, desc="decode benchmark", unit="run")
+    per_batch = len(engines) + (hf is not None)
+    bar = tqdm(total=len(sizes) * args.repeats * per_batch, desc="decode", unit="run")
     for b in sizes:
-        ours_runs, hf_runs = [], []
-        check: dict[str, Any] = {}
+        runs: dict[str, list[dict[str, float]]] = {}
+        tokens: dict[str, list[list[int]]] = {}
         for r in range(args.repeats):
-            bar.set_postfix_str(f"batch {b}, repeat {r + 1}, ours")
-            ours = run_ours(engine, prompts[:b], n, f"b{b}r{r}")
-            ours_runs.append(rates(ours, b, n))
-            bar.update()
-            bar.set_postfix_str(f"batch {b}, repeat {r + 1}, HF")
-            hfr = run_hf(hf, prompts[:b], n, pad_id)
-            hf_runs.append(rates(hfr, b, n))
-            bar.update()
-            if r == 0:
-                check = agreement(ours["tokens"], hfr["tokens"], engine.eos_token_ids)
-                check["ours_steps"] = ours["steps"]
-        paired = [o["decode_tok_s"] / h["decode_tok_s"] for o, h in zip(ours_runs, hf_runs,
-                                                                          strict=True)]
-        row = {"batch": b, "ours": aggregate(ours_runs), "hf": aggregate(hf_runs),
-               "greedy_agreement": check, "paired_decode_ratio": summarize(paired)}
+            for key, engine in engines.items():
+                bar.set_postfix_str(f"batch {b}, repeat {r + 1}, {key}")
+                out = run_ours(engine, prompts[:b], n, f"b{b}r{r}{key}")
+                runs.setdefault(key, []).append(rates(out, b, n))
+                tokens.setdefault(key, out["tokens"])
+                bar.update()
+            if hf is not None:
+                bar.set_postfix_str(f"batch {b}, repeat {r + 1}, HF")
+                out = run_hf(hf, prompts[:b], n, pad_id)
+                runs.setdefault("hf", []).append(rates(out, b, n))
+                tokens.setdefault("hf", out["tokens"])
+                bar.update()
+        row: dict[str, Any] = {"batch": b, **{k: aggregate(v) for k, v in runs.items()}}
+        if "int4" in tokens and "bf16" in tokens:
+            row["greedy_agreement_int4_vs_bf16"] = agreement(tokens["int4"], tokens["bf16"],
+                                                             base.eos_token_ids)
         results.append(row)
-        bar.write(f"batch {b}: ours {fmt(row['ours']['decode_tok_s'])} tok/s, "
-                  f"HF {fmt(row['hf']['decode_tok_s'])} tok/s")
+        bar.write(f"batch {b}: " + ", ".join(f"{k} {fmt(row[k]['decode_tok_s'])} tok/s"
+                                              for k in runs))
     bar.close()
 
-    # a second measurement after the runs: on a shared machine the load drifts; the higher
-    # of the two medians is the better estimate of what the memory system can deliver
+    llama: dict[str, Any] = {}
+    python = find_llama_cpp_python(args.llama_cpp_python)
+    source = weight_format.gguf_source(Path(model_dir))
+    if python is None:
+        llama["skipped"] = ("llama-cpp-python is not installed (recipe in ../shared/PEERS.md; "
+                            "--llama-cpp-python PATH)")
+    elif source is None:
+        llama["skipped"] = "the model is not a GGUF"
+    else:
+        print("llama.cpp, batch 1 ...", file=sys.stderr)
+        llama = run_llama_cpp(python, source, prompts[:6], n, args.repeats,
+                              threads=info["usable_cores"])
+    print(f"llama.cpp: {llama}", file=sys.stderr)
+
+    print("step cost by rows ...", file=sys.stderr)
+    row_cost = {key: row_cost_curve(engine, args.rows) for key, engine in engines.items()}
+    print("decode beside a busy process ...", file=sys.stderr)
+    key = "int4" if "int4" in engines else "bf16"
+    fixed = _engine(args, "int4" if key == "int4" else "dense",
+                    num_threads=info["usable_cores"])
+    assert fixed is not None
+    contention = decode_beside_busy_process(
+        {f"{key}, adaptive threads": engines[key], f"{key}, fixed threads": fixed},
+        prompts[:3], n, repeats=args.repeats)
+
     bandwidth_runs.append(measure_bandwidth("after"))
     bandwidth = max(bandwidth_runs, key=lambda m: m["best_gbs"])
+    weights = weight_bytes_per_step(engines.get("bf16", base))
     floor_b1 = bandwidth["best_gbs"] * 1e9 / weights["bytes_per_step"]
     for row in results:
         row["floor_tok_s"] = row["batch"] * floor_b1
-
     lengths = [len(p) for p in prompts]
     data = {
         "benchmark": "decode",
         "machine": info,
         "config": {
-            "model": args.model, "model_dir": model_dir, "architecture": engine.info.architecture,
-            "dtype": args.dtype, "speculation": args.speculation,
-            "batch_sizes": sizes, "max_new_tokens": n,
-            "repeats": args.repeats, "greedy": True, "ignore_eos": True,
-            "engine": {"max_num_seqs": config.max_num_seqs,
-                       "max_num_batched_tokens": config.max_num_batched_tokens,
-                       "block_size": config.block_size, "attention_backend": "torch reference"},
-            "hf": {"generate": "static batch, left padding", "attention":
-                   getattr(hf.config, "_attn_implementation", None)},
+            "model": args.model, "model_dir": model_dir, "batch_sizes": sizes,
+            "max_new_tokens": n, "repeats": args.repeats, "greedy": True, "ignore_eos": True,
+            "weights": {k: e.runner.weights.describe() for k, e in engines.items()},
             "prompt_tokens": {"min": min(lengths), "max": max(lengths),
                               "mean": sum(lengths) / len(lengths)},
-            "load_s": {"ours": ours_load, "hf": hf_load},
         },
         "metrics": {
-            "decode_tok_s": "(max_new_tokens - 1) * batch / (total_s - prefill_s)",
-            "e2e_tok_s": "max_new_tokens * batch / total_s",
-            "prefill_s": "ours: until every request has its first token; "
-                         "HF: generate(max_new_tokens=1)",
-            "aggregation": f"median of {args.repeats} repeats",
-            "paired_decode_ratio": "ours/HF decode tok/s of each repeat (run back to back), "
-                                   "less sensitive to machine load drifting between repeats",
+            "decode_tok_s": "(max_new_tokens - 1) * batch / (total_s - prefill_s), median",
+            "row_cost": "one sequence, context 64, k new tokens all scored; median of 9",
+            "contention": "batch-1 decode of 3 prompts x repeats, idle then beside a busy "
+                          "process; max_gap_ms is the longest time between two tokens",
         },
         "floor": {"bandwidth": bandwidth, "bandwidth_measurements": bandwidth_runs, **weights,
                   "floor_tok_s_batch1": floor_b1,
-                  "note": "batch B floor = B * floor_tok_s_batch1; weights read once per step, "
-                          "KV-cache reads ignored"},
+                  "int4_bytes_per_step": weight_bytes_per_step(engines["int4"])
+                  ["bytes_per_step"] if "int4" in engines else None},
         "results": results,
+        "llama_cpp": llama,
+        "row_cost": row_cost,
+        "contention": contention,
     }
     out_dir = Path(args.out_dir)
     json_path = write_json(data, out_dir / "decode.json")
     png_path = out_dir / "decode.png"
     name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
-    plot(results, png_path, f"Decode throughput, {name} {args.dtype}, "
-         f"{n} new tokens\n{info['cpu_model']}, {info['usable_cores']} cores")
+    plot(data, png_path, f"Decode, {name}, {n} new tokens\n{info['cpu_model']}, "
+         f"{info['usable_cores']} cores, {' '.join(info.get('cpu_flags', []))}")
     print(f"wrote {json_path} and {png_path}", file=sys.stderr)
-    print(f"\nbandwidth {bandwidth['best_gbs']:.1f} GB/s ({bandwidth['best_method']}, "
-          f"{bandwidth['when']} the runs), "
-          f"{weights['bytes_per_step'] / 1e6:.1f} MB of weights per step -> "
-          f"floor {floor_b1:.0f} tok/s at batch 1\n")
-    print(tables(results))
+    print(f"\nbandwidth {bandwidth['best_gbs']:.1f} GB/s -> floor {floor_b1:.0f} tok/s at "
+          f"batch 1 with bf16 weights\n")
+    print(tables(data))
 
 
 if __name__ == "__main__":

@@ -117,6 +117,8 @@ class ThreadGovernor:
 
     def before_step(self) -> None:
         """Re-decide the thread count when a window has passed (cheap otherwise)."""
+        if torch.get_num_threads() != self.state.threads:  # another engine in this process
+            torch.set_num_threads(self.state.threads)
         if self.state.mode != "adaptive":
             return
         now = time.monotonic()

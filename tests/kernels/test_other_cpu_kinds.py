@@ -1,0 +1,42 @@
+"""The CPU kernel tests again with torch forced onto the code paths of the other CPU kinds.
+
+Machines of two kinds run this project: AVX2-only EPYCs and EPYCs with AVX512-BF16/VNNI.
+torch picks its kernels (summation orders, exp loops, the int4 and bf16 matmuls) by
+``ATEN_CPU_CAPABILITY``, which can force a lower kind on a higher machine, so an AVX512
+machine also runs the AVX2 and the generic paths here (an AVX2 machine the generic one).
+Our own C kernels are AVX2 code on every machine; what changes between kinds is torch, and
+these tests hold for each (our fixed orders, stated tolerances to torch)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parents[2]
+SUITES = ["tests/kernels/test_cpu_fused.py", "tests/kernels/test_cpu_gemv.py",
+          "tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_int4.py",
+          "tests/engine/test_cpu_fast_path.py", "tests/engine/test_gguf_quant.py"]
+_ORDER = ["default", "avx2", "avx512"]
+
+
+def _current() -> str:
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    return "avx512" if cap.startswith("avx512") else cap
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_cpu_suites_pass_on_a_lower_cpu_kind(capability: str):
+    if _ORDER.index(capability) >= _ORDER.index(_current()):
+        pytest.skip(f"this machine's torch runs {_current()} already (the main run)")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+         "-x", *SUITES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = "\n".join(proc.stdout.splitlines()[-15:])
+    assert proc.returncode == 0, f"under ATEN_CPU_CAPABILITY={capability}:\n{tail}"
+    assert " passed" in tail
