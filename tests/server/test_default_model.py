@@ -43,14 +43,17 @@ def test_two_turn_chat(real):
         send(ws, {"type": "session.update",
                   "session": {"instructions": "You are a helpful assistant.",
                               "temperature": 0, "max_output_tokens": 40}})
-        say(ws, "What is the capital of France?")
+        # Questions whose greedy answers hold on every serving path (bf16, int4): the 135M
+        # model's "capital of France" answer is a near-tie ("The" 24.14 vs "La" 24.05 in fp32)
+        # that bf16 rounding alone can flip.
+        say(ws, "Who wrote Romeo and Juliet?")
         first, done, _ = collect(ws, respond(ws, event_id="t1"))
         assert done["response"]["status"] == "completed", done
-        assert "Paris" in first, first
-        say(ws, "What language do people speak there?")
+        assert "Shakespeare" in first, first
+        say(ws, "In which country was he born?")  # "he" only makes sense with turn one
         second, done2, _ = collect(ws, respond(ws, event_id="t2"))
         assert done2["response"]["status"] == "completed"
-        assert second.strip() and "French" in second, second
+        assert "Romeo" in second or "Shakespeare" in second, second
         # The second prompt held the first turn: instructions + 2 user turns + 1 answer.
         assert done2["response"]["usage"]["input_tokens"] > \
             done["response"]["usage"]["input_tokens"] + done["response"]["usage"][
@@ -61,5 +64,5 @@ def test_two_turn_chat(real):
     reply = client.chat.completions.create(
         model=real.gateway.model_name, max_tokens=40, temperature=0,
         messages=[{"role": "system", "content": "You are a helpful assistant."},
-                  {"role": "user", "content": "What is the capital of France?"}])
+                  {"role": "user", "content": "Who wrote Romeo and Juliet?"}])
     assert reply.choices[0].message.content == first  # the same greedy answer

@@ -80,6 +80,8 @@ def test_health_503_while_loading_then_200(tiny_model_dir):
         threads = body["threads"]  # CPU threads per step and the load that chose them
         assert set(threads) == {"mode", "threads", "max_threads", "other_load"}
         assert 1 <= threads["threads"] <= threads["max_threads"]
+        weights = body["weights"]  # int4 or dense, and why (here fp32: no int4)
+        assert weights["format"] == "dense" and "int4 not possible" in weights["reason"]
         assert httpx.post(f"{s.http}/v1/chat/completions", json=CHAT).status_code == 200
 
 
