@@ -96,7 +96,8 @@ QD_INLINE __m256 exp_ps(__m256 x) {
 /* ------------------------------------------------------------------------------------------ */
 
 typedef struct {
-    const uint16_t* q;
+    const uint16_t* q;         /* token t's heads start at q + t * ldq */
+    size_t ldq;
     const uint16_t* k;         /* kv[0] */
     const uint16_t* v;         /* kv[1] */
     const int32_t* block_tables;
@@ -138,7 +139,7 @@ static QD_TARGET int attend_one(const Args* a, int t, int kvh) {
     const uint16_t* krow[QD_CHUNK];
     const uint16_t* vrow[QD_CHUNK];
 
-    const uint16_t* qsrc = a->q + ((size_t)t * a->heads + (size_t)kvh * G) * D;
+    const uint16_t* qsrc = a->q + (size_t)t * a->ldq + (size_t)kvh * G * D;
     const __m256 vscale = _mm256_set1_ps(a->scale);
     for (int i = 0; i < G * D; i += 8) {
         _mm256_store_ps(qs + i, _mm256_mul_ps(load_bf16(qsrc + i), vscale));
@@ -270,11 +271,11 @@ static QD_TARGET int attend_one(const Args* a, int t, int kvh) {
  * when the work is large enough (<= 0: OpenMP's default). Returns 0, or a negative code (bad
  * arguments, block id out of range, bad seq_len / q_len); on an error the output is
  * unspecified. */
-int qd_ragged_attention_bf16(const void* q, const void* kv, const int32_t* block_tables,
-                             const int32_t* seq_lens, const int32_t* query_start_loc, void* out,
-                             int num_seqs, int num_tokens, int heads, int kv_heads, int d,
-                             int block_size, int num_blocks, int max_blocks, float scale,
-                             int nthreads) {
+static int ragged_core(const void* q, size_t ldq, const void* kv, const int32_t* block_tables,
+                       const int32_t* seq_lens, const int32_t* query_start_loc, void* out,
+                       int num_seqs, int num_tokens, int heads, int kv_heads, int d,
+                       int block_size, int num_blocks, int max_blocks, float scale,
+                       int nthreads) {
     if (num_seqs < 0 || num_tokens < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads
         || d <= 0 || d % 8 || block_size <= 0 || num_blocks <= 0 || max_blocks <= 0)
         return QD_EARG;
@@ -295,7 +296,8 @@ int qd_ragged_attention_bf16(const void* q, const void* kv, const int32_t* block
         }
     }
     const size_t kv_half = (size_t)num_blocks * block_size * kv_heads * d;
-    Args a = {(const uint16_t*)q, (const uint16_t*)kv, (const uint16_t*)kv + kv_half,
+    if (ldq < (size_t)heads * d) return QD_EARG;
+    Args a = {(const uint16_t*)q, ldq, (const uint16_t*)kv, (const uint16_t*)kv + kv_half,
               block_tables, seq_lens, query_start_loc, (uint16_t*)out, heads, kv_heads, d,
               block_size, num_blocks, max_blocks, num_seqs, scale};
     const int tasks = num_tokens * kv_heads;
@@ -317,6 +319,45 @@ int qd_ragged_attention_bf16(const void* q, const void* kv, const int32_t* block
         }
     }
     return err;
+}
+
+int qd_ragged_attention_bf16(const void* q, const void* kv, const int32_t* block_tables,
+                             const int32_t* seq_lens, const int32_t* query_start_loc, void* out,
+                             int num_seqs, int num_tokens, int heads, int kv_heads, int d,
+                             int block_size, int num_blocks, int max_blocks, float scale,
+                             int nthreads) {
+    return ragged_core(q, (size_t)heads * d, kv, block_tables, seq_lens, query_start_loc, out,
+                       num_seqs, num_tokens, heads, kv_heads, d, block_size, num_blocks,
+                       max_blocks, scale, nthreads);
+}
+
+/* The KV write and the attention of one layer in one call. qkv: [num_tokens][ldq] bf16 rows
+ * holding q (heads * d), then k and v (kv_heads * d each), RoPE already applied; token t's k
+ * and v are stored at cache slot slots[t] (block slot / block_size, offset slot % block_size),
+ * then out = qd_ragged_attention_bf16 of the q columns. Every slot is checked before anything
+ * is written: a bad one returns QD_EARG with the cache untouched. */
+int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int64_t* slots, void* kv,
+                               const int32_t* block_tables, const int32_t* seq_lens,
+                               const int32_t* query_start_loc, void* out, int num_seqs,
+                               int num_tokens, int heads, int kv_heads, int d, int block_size,
+                               int num_blocks, int max_blocks, float scale, int nthreads) {
+    if (!qkv || !slots || !kv || num_tokens < 0 || heads <= 0 || kv_heads <= 0 || d <= 0
+        || block_size <= 0 || num_blocks <= 0
+        || (long long)ldq < (long long)(heads + 2 * kv_heads) * d)
+        return QD_EARG;
+    const long long num_slots = (long long)num_blocks * block_size;
+    for (int t = 0; t < num_tokens; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return QD_EARG;
+    const size_t row = (size_t)kv_heads * d, kv_half = (size_t)num_slots * row;
+    uint16_t* kc = (uint16_t*)kv;
+    for (int t = 0; t < num_tokens; ++t) {
+        const uint16_t* src = (const uint16_t*)qkv + (size_t)t * ldq + (size_t)heads * d;
+        memcpy(kc + (size_t)slots[t] * row, src, row * sizeof(uint16_t));
+        memcpy(kc + kv_half + (size_t)slots[t] * row, src + row, row * sizeof(uint16_t));
+    }
+    return ragged_core(qkv, (size_t)ldq, kv, block_tables, seq_lens, query_start_loc, out,
+                       num_seqs, num_tokens, heads, kv_heads, d, block_size, num_blocks,
+                       max_blocks, scale, nthreads);
 }
 
 /* Decode (one query token per sequence): the q_len = 1 case of qd_ragged_attention_bf16. */

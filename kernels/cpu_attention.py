@@ -57,6 +57,7 @@ _int = ctypes.c_int
 
 class _Lib(NamedTuple):
     ragged: Callable[..., int]
+    write_attend: Callable[..., int]
     dll: ctypes.CDLL
 
 
@@ -77,7 +78,10 @@ def _lib() -> _Lib | None:
     fn = lib.qd_ragged_attention_bf16
     fn.argtypes = [_vp] * 6 + [_int] * 8 + [ctypes.c_float, _int]
     fn.restype = _int
-    return _Lib(fn, lib)
+    both = lib.qd_write_kv_attention_bf16
+    both.argtypes = [_vp, _int, *[_vp] * 6, *[_int] * 8, ctypes.c_float, _int]
+    both.restype = _int
+    return _Lib(fn, both, lib)
 
 
 def available() -> bool:
@@ -214,3 +218,45 @@ def decode_attention(
     if out is None:
         return decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale)
     return out
+
+
+def write_kv_and_attend(
+    qkv: torch.Tensor,  # [num_tokens, (heads + 2 kv_heads) * head_dim] bf16, rows contiguous
+    heads: int,
+    kv_heads: int,
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim] bf16
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+) -> torch.Tensor | None:  # [num_tokens, heads, head_dim] bf16
+    """A layer's KV write (the k and v columns of ``qkv`` into their slots) and
+    :func:`ragged_attention` of its q columns, in one C call with no copies; bit-equal to
+    ``paged_attention_ref.write_kv`` then :func:`ragged_attention`. None (nothing written)
+    when the inputs are not the kernel's: the caller then runs those two."""
+    lib = _lib()
+    if (lib is None or qkv.dtype is not _BF16 or kv_cache.dtype is not _BF16
+            or not (qkv.is_cpu and kv_cache.is_cpu) or qkv.dim() != 2 or qkv.stride(1) != 1
+            or not kv_cache.is_contiguous() or kv_cache.dim() != 5
+            or slot_mapping.dtype is not torch.int64 or not slot_mapping.is_contiguous()
+            or block_tables.dtype is not _I32 or not block_tables.is_contiguous()
+            or seq_lens.dtype is not _I32 or not seq_lens.is_contiguous()
+            or query_start_loc.dtype is not _I32 or not query_start_loc.is_contiguous()):
+        return None
+    num_tokens = qkv.shape[0]
+    _, num_blocks, block_size, kv_h, dim = kv_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    if (kv_h != kv_heads or qkv.shape[1] != (heads + 2 * kv_heads) * dim or dim % 8
+            or heads % kv_heads or heads // kv_heads > _MAX_GROUP
+            or heads // kv_heads * dim > _MAX_GD or num_tokens == 0 or num_seqs == 0
+            or slot_mapping.shape != (num_tokens,) or seq_lens.shape != (num_seqs,)
+            or query_start_loc.shape != (num_seqs + 1,)):
+        return None
+    out = torch.empty(num_tokens, heads, dim, dtype=_BF16)
+    rc = lib.write_attend(qkv.data_ptr(), qkv.stride(0), slot_mapping.data_ptr(),
+                          kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+                          query_start_loc.data_ptr(), out.data_ptr(), num_seqs, num_tokens,
+                          heads, kv_heads, dim, block_size, num_blocks, max_blocks, scale,
+                          torch.get_num_threads() if num_tokens * kv_heads >= 4 else 1)
+    return out if rc == 0 else None

@@ -287,6 +287,23 @@ def paged_attention(
     return out
 
 
+def write_kv_and_attend(
+    qkv: torch.Tensor,  # [num_tokens, (heads + 2 kv_heads) * head_dim], RoPE applied
+    heads: int,
+    kv_heads: int,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor | None:  # [num_tokens, heads, head_dim]
+    """:func:`write_kv` of qkv's k/v columns, then :func:`paged_attention` of its q columns,
+    in one C call where the CPU bf16 kernel runs (None elsewhere: the caller runs the two)."""
+    if qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu":
+        return None
+    return cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, kv_cache, meta.slot_mapping,
+                                             meta.block_tables, meta.seq_lens_t,
+                                             meta.query_start_loc_t, scale)
+
+
 def naive_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,

@@ -189,6 +189,8 @@ class Attention(nn.Module):
         self.o = Linear(shape.hidden_size, self.q_size, shape.o_bias, dtype)
         self.scale = self.head_dim**-0.5
         self.backend = backend
+        # the backend's fused KV write + attention, where it has one (returns None to decline)
+        self.write_kv_and_attend = getattr(backend, "write_kv_and_attend", None)
 
     def forward(
         self,
@@ -202,6 +204,12 @@ class Attention(nn.Module):
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k are adjacent columns: rotate both heads sets in one pass
         qk = ops.rope(qk.view(-1, self.heads + self.kv_heads, self.head_dim), *cos_sin)
+        if self.write_kv_and_attend is not None and qk.data_ptr() == qkv.data_ptr():
+            # RoPE ran in place: qkv holds rotated q, k; KV write + attention in one call
+            out = self.write_kv_and_attend(qkv, self.heads, self.kv_heads, kv_cache, meta,
+                                           self.scale)
+            if out is not None:
+                return self.o.forward(out.view(-1, self.q_size))
         q, k = qk.split([self.heads, self.kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         self.backend.write_kv(k, v.view(-1, self.kv_heads, self.head_dim), kv_cache,
                               meta.slot_mapping)

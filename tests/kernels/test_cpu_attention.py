@@ -327,3 +327,42 @@ def test_ragged_bad_layout_is_rejected_by_the_kernel(bad: str, monkeypatch) -> N
     _, _, _, sl2, qsl2, _ = _ragged_case([2, 3], [10, 20], 4, 4, 2, 64, seed=8)
     cpu_attention.ragged_attention(q, kv, bt, sl2, qsl2, 0.1)
     assert len(calls) == 1
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
+    """The one-call KV write + attention over a qkv matrix (prefill, verification and decode
+    rows mixed) is bit-equal to write_kv then ragged_attention, and a bad slot declines the
+    call with the cache untouched."""
+    heads, kv_heads, dim = 9, 3, 64
+    seq_lens = [40, 70, 9]
+    q_lens = [40, 5, 1]  # a fresh prefill, a verification of 4 drafts, a decode
+    _, kv, block_tables, lens, tables = _case(3, seq_lens, block_size, heads, kv_heads, dim,
+                                              seed=7)
+    qsl = [0, *itertools.accumulate(q_lens)]
+    tokens = qsl[-1]
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(BF16)
+    slots = torch.tensor([tables[s][p // block_size] * block_size
+                          + p % block_size for s in range(3)
+                          for p in range(seq_lens[s] - q_lens[s], seq_lens[s])])
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    kv_ref = kv.clone()
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    paged_attention_ref.write_kv(k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim),
+                                 kv_ref, slots)
+    want = cpu_attention.ragged_attention(q.reshape(-1, heads, dim).contiguous(), kv_ref,
+                                          block_tables, lens, qsl_t, 0.125)
+    kv_got = kv.clone()
+    got = cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, kv_got, slots, block_tables,
+                                            lens, qsl_t, 0.125)
+    assert got is not None
+    assert torch.equal(kv_got, kv_ref)
+    assert torch.equal(got, want)
+    bad = slots.clone()
+    bad[-1] = kv.shape[1] * block_size  # one past the end
+    untouched = kv.clone()
+    assert cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, untouched, bad,
+                                             block_tables, lens, qsl_t, 0.125) is None
+    assert torch.equal(untouched, kv)
