@@ -9,10 +9,14 @@ Formats that map exactly onto a 4-bit code with one fp scale and offset per 32 w
 
 - ``Q4_1``: blocks of 32: fp16 ``d``, fp16 ``m``, 16 bytes of nibbles (low nibbles are
   weights 0-15, high nibbles 16-31);
-- ``Q4_0``: blocks of 32: fp16 ``d``, nibbles; ``w = d · (q − 8)``, i.e. ``m = −8 d``.
+- ``Q4_0``: blocks of 32: fp16 ``d``, nibbles; ``w = d · (q − 8)``, i.e. ``m = −8 d``;
+- ``Q4_K``: super-blocks of 256: fp16 ``d`` and ``dmin``, eight 6-bit scales ``sc`` and mins
+  ``mn``, 128 bytes of nibbles (each 32-byte chunk: low nibbles one sub-block of 32, high
+  nibbles the next); ``w = (d · sc) · q − dmin · mn`` per sub-block, i.e. ``d = d · sc``,
+  ``m = −dmin · mn``.
 
-(Q4_K's sub-blocks map the same way and are left for later; tensors in other formats are
-not returned, and their layers keep the dense weights.) Tensor names are the HF ones, and the
+(Tensors in other formats, e.g. Q6_K, Q8_0, are not returned; their layers keep the dense
+weights.) Tensor names are the HF ones, and the
 Llama q/k rows are permuted back as transformers does when it dequantizes, so row ``i``
 here is row ``i`` of the converted checkpoint.
 """
@@ -81,6 +85,25 @@ def _unpack(blocks: np.ndarray, out: int, k: int, has_min: bool) -> Q4Weight:
                     torch.from_numpy(d.copy()), torch.from_numpy(m.copy()))
 
 
+def _unpack_q4_k(blocks: np.ndarray, out: int, k: int) -> Q4Weight:
+    """Raw ``[out, bytes per row]`` uint8 rows of Q4_K super-blocks (256 weights, 144 bytes)."""
+    from gguf import quants  # the 6-bit scale/min unpacking, as llama.cpp packs it
+
+    n = out * (k // 256)
+    b = np.ascontiguousarray(blocks).reshape(n, 144)
+    d = b[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+    dmin = b[:, 2:4].copy().view(np.float16)[:, 0].astype(np.float32)
+    sc, mn = quants.Q4_K.get_scale_min(b[:, 4:16].copy())  # [n, 8] each
+    sub_d = d[:, None] * sc.astype(np.float32)  # [n, 8]
+    sub_m = -(dmin[:, None] * mn.astype(np.float32))
+    chunks = b[:, 16:].reshape(n, 4, 32)
+    q = np.stack([chunks & 0x0F, chunks >> 4], axis=2)  # [n, 4, 2, 32]: sub-block 2j, 2j + 1
+    groups = k // GROUP
+    return Q4Weight(torch.from_numpy(q.reshape(out, k).copy()),
+                    torch.from_numpy(sub_d.reshape(out, groups).copy()),
+                    torch.from_numpy(sub_m.reshape(out, groups).copy()))
+
+
 def _unpermute_rows(out: int, heads: int) -> torch.Tensor:
     """Row order transformers gives a llama.cpp-permuted q/k matrix of ``heads`` heads."""
     half = out // heads // 2
@@ -89,12 +112,13 @@ def _unpermute_rows(out: int, heads: int) -> torch.Tensor:
 
 def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
                     num_kv_heads: int) -> dict[str, Q4Weight]:
-    """Every layer matrix of the file stored as Q4_1 or Q4_0, keyed by its HF name
+    """Every layer matrix of the file stored as Q4_1, Q4_0 or Q4_K, keyed by its HF name
     (``model.layers.N.self_attn.q_proj.weight``); ``llama_permute``: the architecture whose
     q/k rows transformers permutes back (llama/mistral, not qwen2)."""
     from gguf import GGMLQuantizationType, GGUFReader  # optional at import time
 
-    kinds = {GGMLQuantizationType.Q4_1: True, GGMLQuantizationType.Q4_0: False}
+    kinds = {GGMLQuantizationType.Q4_1: True, GGMLQuantizationType.Q4_0: False,
+             GGMLQuantizationType.Q4_K: None}
     reader = GGUFReader(str(gguf_path))
     weights: dict[str, Q4Weight] = {}
     for tensor in reader.tensors:
@@ -105,9 +129,11 @@ def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
         if kind not in _LAYER_NAMES:
             continue
         k, out = (int(v) for v in tensor.shape[:2])  # GGUF lists the fastest dim first
-        if k % GROUP:
+        has_min = kinds[tensor.tensor_type]
+        if k % (GROUP if has_min is not None else 256):
             continue
-        w = _unpack(tensor.data, out, k, kinds[tensor.tensor_type])
+        w = (_unpack_q4_k(tensor.data, out, k) if has_min is None
+             else _unpack(tensor.data, out, k, has_min))
         if llama_permute and kind in ("attn_q", "attn_k"):
             w = w.rows(_unpermute_rows(out, num_heads if kind == "attn_q" else num_kv_heads))
         weights[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = w

@@ -32,6 +32,19 @@ def test_unpack_equals_gguf_dequantize(kind):
     assert torch.equal(w.dequantize(), want)
 
 
+def test_q4_k_unpack_equals_gguf_dequantize():
+    rows, k = 5, 512
+    rng = np.random.default_rng(11)
+    b = rng.integers(0, 256, size=(rows * k // 256, 144), dtype=np.uint8)
+    b[:, :4] = (rng.standard_normal((b.shape[0], 2)) * 0.01).astype(np.float16).view(np.uint8)
+    blocks = b.reshape(rows, -1)
+    w = gguf_quant._unpack_q4_k(blocks, rows, k)
+    assert w.q.dtype == torch.uint8 and int(w.q.max()) <= 15 and w.d.shape == (rows, k // 32)
+    want = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q4_K)
+                            .reshape(rows, k))
+    assert torch.equal(w.dequantize(), want)
+
+
 def test_rows_and_cat_keep_blocks_whole():
     blocks = _random_blocks(GGMLQuantizationType.Q4_1, 6, 64, seed=3)
     w = gguf_quant._unpack(blocks, 6, 64, has_min=True)
