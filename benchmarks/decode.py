@@ -173,6 +173,9 @@ def tables(data: dict[str, Any]) -> str:
                           zip(c["ms"], c["ratio"], strict=True)]]
          for key, c in data["row_cost"].items()])
     cont = data["contention"]
+    if not cont:
+        return (f"Decode tok/s (prefill excluded):\n\n{main}\n\n{peer}\n\nStep cost by rows:"
+                f"\n\n{curve}")
     busy = markdown_table(
         ["engine", "idle tok/s", "busy tok/s", "busy/idle", "longest gap busy ms",
          "TTFT idle ms", "TTFT busy ms"],
@@ -198,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a Python with llama-cpp-python installed (default: "
                    "$QUICKDRAFT_LLAMA_CPP_PYTHON, then this one)")
     p.add_argument("--rows", default="1,2,4,8,16", help="row counts of the step-cost curve")
+    p.add_argument("--no-contention", dest="contention", action="store_false",
+                   help="skip decode beside a busy process (it loads one more engine)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
@@ -298,14 +303,16 @@ def main(argv: list[str] | None = None) -> None:
 
     print("step cost by rows ...", file=sys.stderr)
     row_cost = {key: row_cost_curve(engine, args.rows) for key, engine in engines.items()}
-    print("decode beside a busy process ...", file=sys.stderr)
-    key = "int4" if "int4" in engines else "bf16"
-    fixed = _engine(args, "int4" if key == "int4" else "dense",
-                    num_threads=info["usable_cores"])
-    assert fixed is not None
-    contention = decode_beside_busy_process(
-        {f"{key}, adaptive threads": engines[key], f"{key}, fixed threads": fixed},
-        prompts[:3], n, repeats=args.repeats)
+    contention: dict[str, Any] = {}
+    if args.contention:
+        print("decode beside a busy process ...", file=sys.stderr)
+        key = "int4" if "int4" in engines else "bf16"
+        fixed = _engine(args, "int4" if key == "int4" else "dense",
+                        num_threads=info["usable_cores"])
+        assert fixed is not None
+        contention = decode_beside_busy_process(
+            {f"{key}, adaptive threads": engines[key], f"{key}, fixed threads": fixed},
+            prompts[:3], n, repeats=args.repeats)
 
     bandwidth_runs.append(measure_bandwidth("after"))
     bandwidth = max(bandwidth_runs, key=lambda m: m["best_gbs"])
