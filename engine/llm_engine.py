@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.cpu_threads import ThreadGovernor
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheManager, cdiv
-from engine.model_runner import GEMV_MAX_ROWS, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, Usage
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidParameterError, SamplingParams
@@ -96,14 +96,13 @@ class LLMEngine:
     def _step_cost(self) -> StepCost:
         """How a step's time grows with its number of tokens, measured on this machine.
 
-        The sizes straddle every 8-row boundary up to the GEMV limit: the bf16 GEMV kernel
-        reads the weights once per 8 rows, so 9 tokens cost about as much as 16, which a
-        curve through powers of two would miss."""
+        The sizes straddle every 8-row boundary: the bf16 GEMV kernel takes 8 rows per pass,
+        so 9 tokens can cost about as much as 16, which a curve through powers of two would
+        miss."""
         if not self.config.measure_step_cost or self.config.speculation == "off":
             return StepCost.memory_bound()
         limit = min(self.config.max_num_batched_tokens, 64)
-        sizes = sorted({1, 2, 4, *range(8, GEMV_MAX_ROWS + 1, 8),
-                        *range(9, GEMV_MAX_ROWS + 2, 8), 64})
+        sizes = sorted({1, 2, 4, *range(8, 49, 8), *range(9, 50, 8), 64})
         cost = measure_step_cost(self.runner.time_forward, [n for n in sizes if n <= limit])
         log.info("step cost by tokens: %s", dict(zip(cost.num_tokens, cost.seconds, strict=True)))
         return cost

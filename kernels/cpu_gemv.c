@@ -8,7 +8,8 @@
  *     block (8 even elements, then 8 odd ones) so one 256-bit load of 16 bf16 weights turns
  *     into two fp32 vectors with a single AND (odd elements: the bf16 already sits in the high
  *     half of each 32-bit lane) and a single shift (even elements);
- *   - reads every weight row exactly once for all m rows of x (up to 8 at a time);
+ *   - reads every weight row exactly once for all m rows of x (up to 8 at a time; more rows
+ *     pass over cache-sized tiles of the weights in turn, so prefill reads them once too);
  *   - splits the output rows into one contiguous range per OpenMP thread (static schedule),
  *     and cuts each thread's range into NR (2 or 4) equal parts walked side by side, one row
  *     of each part at a time: NR far-apart sequential streams, each x load serving NR rows.
@@ -198,13 +199,26 @@ static QD_TARGET void convert_x(const uint16_t* x, float* dst, int k) {
     for (int kk = k16; kk < k; kk++) dst[kk] = bf16_to_f32(x[kk]);
 }
 
-/* One thread's share: rows [r0, r1) for every chunk of up to QD_MAX_MB rows of x. */
+/* One thread's share: output rows [r0, r1) for every chunk of up to QD_MAX_MB rows of x.
+ * With more x rows than one chunk, the output rows are walked in tiles of about
+ * QD_TILE_BYTES of weights, and every x chunk passes over a tile while it is in cache: the
+ * weights stream from memory once whatever m is (prefill), and each output element is still
+ * computed by the same code in the same order as for a lone row (row-invariant). */
+#define QD_TILE_BYTES (96 * 1024)
 static void run_range(const float* xp, size_t ldx, const uint16_t* w, const uint16_t* bias,
                       uint16_t* y, int m, int n, int k, int r0, int r1) {
-    for (int i0 = 0; i0 < m; i0 += QD_MAX_MB) {
-        int mb = m - i0 < QD_MAX_MB ? m - i0 : QD_MAX_MB;
-        ROWS_FN[mb](xp + (size_t)i0 * ldx, ldx, w, bias, y + (size_t)i0 * (size_t)n, (size_t)n, k,
-                    r0, r1);
+    int tile = r1 - r0;
+    if (m > QD_MAX_MB) {
+        tile = (int)(QD_TILE_BYTES / ((size_t)k * 2));
+        if (tile < 8) tile = 8;
+    }
+    for (int t0 = r0; t0 < r1; t0 += tile) {
+        const int t1 = t0 + tile < r1 ? t0 + tile : r1;
+        for (int i0 = 0; i0 < m; i0 += QD_MAX_MB) {
+            int mb = m - i0 < QD_MAX_MB ? m - i0 : QD_MAX_MB;
+            ROWS_FN[mb](xp + (size_t)i0 * ldx, ldx, w, bias, y + (size_t)i0 * (size_t)n,
+                        (size_t)n, k, t0, t1);
+        }
     }
 }
 

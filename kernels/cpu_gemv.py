@@ -2,7 +2,10 @@
 
 At batch 1 a linear layer is a matrix-vector product that streams the whole weight matrix
 from memory once; torch's bf16 path leaves a good part of the memory bandwidth unused.
-``cpu_gemv.c`` is a small AVX2/FMA kernel for up to :data:`MAX_ROWS` rows of ``x``; it is
+``cpu_gemv.c`` is a small AVX2/FMA kernel for up to :data:`MAX_ROWS` rows of ``x`` (8 rows
+per pass over the weights; more rows walk cache-sized weight tiles, so a prefill chunk still
+reads the weights once, and every output element is computed the same way whatever the row
+count: row-invariant, unlike switching to a GEMM for large batches); it is
 built with gcc on first use into ``$QUICKDRAFT_CACHE/kernels`` (default
 ``~/.cache/quickdraft/kernels``), keyed by a hash of the source and flags, and loaded with
 ctypes. Without gcc, AVX2/FMA/F16C or on a failed build, :func:`available` is False and
@@ -24,8 +27,9 @@ from kernels import cbuild
 
 log = logging.getLogger(__name__)
 
-# Most rows of x the kernel takes; more go to F.linear (compute-bound GEMM territory).
-MAX_ROWS = 8
+# Most rows of x the kernel takes in one call (more go to F.linear): any prefill chunk.
+MAX_ROWS = 1 << 16
+ROWS_PER_PASS = 8  # rows of x per pass over the weights (or over one cached weight tile)
 
 _SOURCE = Path(__file__).with_name("cpu_gemv.c")
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")

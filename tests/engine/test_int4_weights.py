@@ -1,6 +1,6 @@
-"""The default model on its GGUF's own 4-bit weights (``--weights int4``): close to the fp32
-oracle, and a request's greedy tokens independent of its batch, its prompt's chunking, the
-prefix cache and speculation."""
+"""The default model on its GGUF's own 4-bit weights (``--weights int4``): chosen and reported,
+close to the fp32 oracle, clear errors where it cannot run. (Batch invariance of the int4 and
+dense bf16 paths: test_batch_invariance.py.)"""
 
 from __future__ import annotations
 
@@ -10,16 +10,14 @@ import torch
 from engine.config import ConfigError, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepPlan
-from engine.sampling_params import SamplingParams
 from kernels import cpu_attention, cpu_int4
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (cpu_int4.available() and cpu_attention.available()),
                                  reason="needs torch's CPU int4 ops and the C kernels")]
 
-PROMPTS = ["What is the most interesting colour and why?", "Write a short poem about the sea.",
-           "Explain how a bicycle works.", "Summarise: the quick brown fox jumps over the "
-           "lazy dog. The dog sleeps on. The fox runs home."]
+PROMPT = ("Summarise: the quick brown fox jumps over the lazy dog. The dog sleeps on. The fox "
+          "runs home.")
 
 
 def _engine(**kw) -> LLMEngine:
@@ -32,38 +30,9 @@ def int4_engine() -> LLMEngine:
     return _engine(weights="int4")
 
 
-def _greedy(llm: LLMEngine, prompts: list[str], *, stagger: bool = False,
-            n: int = 24) -> dict[str, list[int]]:
-    baseline = llm.kv.num_free_blocks
-    ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    pending = list(enumerate(ids))
-    out: dict[str, list[int]] = {}
-    while pending or llm.has_unfinished_requests():
-        while pending:
-            i, prompt = pending.pop(0)
-            llm.add_request(str(i), prompt_token_ids=prompt,
-                            sampling_params=SamplingParams(temperature=0, max_tokens=n))
-            if stagger:
-                break
-        for delta in llm.step():
-            out.setdefault(delta.request_id, []).extend(delta.token_ids)
-    assert llm.kv.num_free_blocks == baseline
-    return out
-
-
 def test_int4_is_chosen_and_reported(int4_engine):
     w = int4_engine.runner.weights.describe()
     assert w["format"] == "int4" and w["int4_layers"] == 4 * 30  # qkv, o, gate_up, down
-
-
-def test_greedy_tokens_do_not_depend_on_batch_chunks_cache_or_speculation(int4_engine):
-    alone = {str(i): _greedy(int4_engine, [p])["0"] for i, p in enumerate(PROMPTS)}
-    assert _greedy(int4_engine, PROMPTS) == alone  # one batch, prefills together
-    assert _greedy(int4_engine, PROMPTS, stagger=True) == alone  # prefills beside decodes
-    assert _greedy(int4_engine, PROMPTS, stagger=True) == alone  # prefix-cache hits
-    assert _greedy(_engine(weights="int4", max_num_batched_tokens=16), PROMPTS) == alone
-    assert _greedy(_engine(weights="int4", speculation="ngram"), PROMPTS,
-                   stagger=True) == alone
 
 
 def _prompt_logits(llm: LLMEngine, ids: list[int]) -> torch.Tensor:  # [len, vocab] fp32
@@ -80,7 +49,7 @@ def test_logits_close_to_the_fp32_dequantized_model(int4_engine):
     (0.37; bf16 0.39), and the same argmax at >= 90 % of the prompt's positions (96 %; bf16
     98 %). bf16 activations and bf16-rounded block scales are the differences."""
     fp32 = _engine(dtype="float32")
-    ids = fp32.apply_chat_template([{"role": "user", "content": PROMPTS[3]}])
+    ids = fp32.apply_chat_template([{"role": "user", "content": PROMPT}])
     want = _prompt_logits(fp32, ids)
     spread = want.std(dim=-1, keepdim=True)
     got = _prompt_logits(int4_engine, ids)

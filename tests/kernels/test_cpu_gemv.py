@@ -103,8 +103,9 @@ def test_special_values_round_like_torch():
     assert torch.equal(got[0, 3:], want[0, 3:])
 
 
-def test_fallbacks_match_reference():
+def test_fallbacks_match_reference(monkeypatch):
     # more than MAX_ROWS rows, fp32, fp16: plain F.linear
+    monkeypatch.setattr(cpu_gemv, "MAX_ROWS", 8)
     x, w, b = _inputs(16, 100, 64, True, seed=4)
     assert torch.equal(cpu_gemv.linear_bf16(x, w, b), cpu_gemv.reference_linear(x, w, b))
     xf, wf, bf = x.float(), w.float(), b.float()
@@ -152,3 +153,17 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path, caplog):
         monkeypatch.undo()
         cpu_gemv._kernel.cache_clear()
     assert cpu_gemv.available()
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="needs gcc and an AVX2/FMA CPU")
+@pytest.mark.parametrize(("m", "n", "k"), [(100, 1000, 576), (37, 300, 1536), (9, 64, 40)])
+def test_many_rows_walk_weight_tiles_and_stay_row_invariant(m, n, k):
+    """More rows than one pass (8) go through cache-sized weight tiles: each output is the
+    same bits as for that row alone (what makes prefill and decode agree), and within the
+    kernel's tolerance of the fp32 product."""
+    x, w, b = _inputs(m, n, k, True, seed=9)
+    got = cpu_gemv.linear_bf16(x, w, b)
+    _check(got, _want(x, w, b))
+    for i in (0, 7, 8, m // 2, m - 1):
+        assert torch.equal(cpu_gemv.linear_bf16(x[i:i + 1], w, b), got[i:i + 1]), i
+    assert torch.equal(cpu_gemv.linear_bf16(x[3:11], w, b), got[3:11])
