@@ -29,10 +29,6 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 from kernels import cpu_gemv
 
 log = logging.getLogger(__name__)
-# Rows the bf16 GEMV kernel takes (any step): one kernel for decode, verification and
-# prefill keeps a row's result independent of its batch. Its tiled large-m path is within
-# ~1.3x of an fp32 GEMM at 236 rows on a 2-core EPYC (5.9 vs 4.5 ms for 3072x576).
-GEMV_MAX_ROWS = cpu_gemv.MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -101,7 +97,7 @@ def load_model(model_dir: Any, hf_config: Any, dtype: torch.dtype, max_model_len
         model.use_layer_ops(backend.layer_ops)
     elif (backend.device.type == "cpu" and dtype == torch.bfloat16
           and cpu_gemv.available()):
-        model.enable_cpu_fast_path(cpu_gemv.linear_bf16, cpu_gemv.MAX_ROWS, GEMV_MAX_ROWS)
+        model.enable_cpu_fast_path(cpu_gemv.linear_bf16)
     log.info("loaded weights of %s in %.2fs", model_dir or "(random)",
              time.perf_counter() - start)
     return model

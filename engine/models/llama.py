@@ -86,31 +86,16 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class Fp32Scratch:
-    """One reusable fp32 buffer for the weight slices of :meth:`Linear._fp32_linear` (shared by
-    a model's layers: the engine runs one forward at a time). Converting a whole weight into
-    a fresh fp32 tensor each call costs a page fault per 4 KiB (6 GB for a 1.5B model)."""
-
-    def __init__(self, num_elements: int = 2 << 20) -> None:
-        self.num_elements = num_elements
-        self._buf = torch.empty(0)
-
-    def get(self, n: int) -> torch.Tensor:
-        if self._buf.numel() < n:
-            self._buf = torch.empty(n, dtype=torch.float32)
-        return self._buf[:n]
-
-
 class Linear(nn.Module):
-    """``y = x W^T + b`` with a CPU fast path for bf16.
+    """``y = x W^T + b`` with CPU fast paths for bf16.
 
-    torch's bf16 GEMM on CPUs without native bf16 (AVX2) costs about one GEMV per row, which
-    makes verification and prefill 5-10x slower than they need be. After
-    :meth:`enable_cpu_fast_path`, up to ``gemv_rows`` rows go through a bf16 GEMV kernel in
-    chunks of ``chunk`` rows (each chunk reads the weights once: memory-bound), and larger
-    batches through an fp32 GEMM on fp32 copies of the weights made slice by slice into a
-    reused buffer (bf16 -> fp32 is exact; each output column is the same dot product as one
-    whole GEMM). All paths accumulate in fp32 and round once to bf16, like torch's bf16 linear.
+    torch's bf16 GEMM on CPUs without native bf16 (AVX2) costs about one GEMV per row, and
+    its result for a row depends on how many rows it is given. After
+    :meth:`enable_cpu_fast_path` every row count goes through the bf16 GEMV kernel
+    (``kernels.cpu_gemv``: 8 rows per pass over the weights, cache-sized weight tiles for
+    more; accumulates in fp32 and rounds once to bf16, like torch's bf16 linear, and gives a
+    row the same bits whatever the other rows). With 4-bit weights attached and enabled
+    (:meth:`LlamaForCausalLM.attach_int4_weights`), torch's int4 kernel runs instead.
     """
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
@@ -119,47 +104,20 @@ class Linear(nn.Module):
         self.weight = weight if weight is not None else _param(out_features, in_features,
                                                                dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
-        self.gemv: Any = None  # (x [<= chunk, in], weight, bias) -> y
-        self.chunk = 0
-        self.gemv_rows = 0
-        self.scratch: Fp32Scratch | None = None
+        self.gemv: Any = None  # (x [rows, in], weight, bias) -> y
         self.int4: Int4Weight | None = None  # 4-bit copy of the weight (kernels.cpu_int4)
         self.use_int4 = False  # multiply by it instead of the dense weight
 
-    def enable_cpu_fast_path(self, gemv: Any, chunk: int, gemv_rows: int,
-                             scratch: Fp32Scratch | None = None) -> None:
-        self.gemv, self.chunk, self.gemv_rows = gemv, chunk, gemv_rows
-        self.scratch = scratch or Fp32Scratch()
+    def enable_cpu_fast_path(self, gemv: Any) -> None:
+        self.gemv = gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-        rows = x.shape[0]
         if self.use_int4 and self.int4 is not None:  # every row count: batch-invariant
             y = cpu_int4.linear(x, self.int4)
             return y if self.bias is None else y + self.bias
         if self.gemv is None:
             return F.linear(x, self.weight, self.bias)
-        if rows <= self.chunk:
-            return self.gemv(x, self.weight, self.bias)
-        if rows <= self.gemv_rows:
-            return torch.cat([self.gemv(x[i : i + self.chunk], self.weight, self.bias)
-                              for i in range(0, rows, self.chunk)])
-        return self._fp32_linear(x)
-
-    def _fp32_linear(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-        assert self.scratch is not None
-        rows, d_in = x.shape
-        d_out = self.weight.shape[0]
-        xf = x.float()  # [rows, in]
-        out = torch.empty(rows, d_out, dtype=torch.float32)  # [rows, out]
-        step = max(1, self.scratch.num_elements // d_in)
-        for j in range(0, d_out, step):
-            w = self.weight[j:j + step]  # [k, in] bf16
-            wf = self.scratch.get(w.numel()).view(w.shape)
-            wf.copy_(w)
-            out[:, j:j + w.shape[0]] = xf @ wf.t()
-        if self.bias is not None:
-            out += self.bias.float()
-        return out.to(x.dtype)
+        return self.gemv(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -282,15 +240,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         return self.lm_head.forward(hidden).float()
 
-    def enable_cpu_fast_path(self, gemv: Any, chunk: int, gemv_rows: int) -> None:
+    def enable_cpu_fast_path(self, gemv: Any) -> None:
         """Route bf16 matmuls through the CPU GEMV kernel / fp32 GEMM (see :class:`Linear`)
         and the small ops through the fused CPU kernels."""
         if self.dtype == torch.bfloat16 and cpu_fused.available():
             self.ops = FUSED_CPU_OPS
-        scratch = Fp32Scratch()
         for module in self.modules():
             if isinstance(module, Linear):
-                module.enable_cpu_fast_path(gemv, chunk, gemv_rows, scratch)
+                module.enable_cpu_fast_path(gemv)
 
     def attach_int4_weights(self, weights: dict[str, Q4Weight]) -> int:
         """Give the layers 4-bit copies of their weights from ``weights`` (HF names, e.g. a
