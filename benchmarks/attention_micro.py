@@ -11,23 +11,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from common import per_call_us
 
 from kernels import cpu_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 BF16 = torch.bfloat16
 
-
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def make_case(num_seqs: int, ctx: int) -> tuple[torch.Tensor, ...]:

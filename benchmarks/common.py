@@ -35,6 +35,15 @@ def time_call(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
+def per_call_us(fn: Callable[[], Any], calls: int) -> float:
+    """Microseconds per call of ``fn`` over ``calls`` back-to-back calls (one short sample:
+    on a shared machine a preemption spoils few samples rather than doubling long ones)."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls."""
     for _ in range(warmup):

@@ -14,22 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from common import per_call_us
 
 from kernels import cpu_fused
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 576, 9, 3, 64, 1536, 30
 EPS = 1e-5
 
-
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:

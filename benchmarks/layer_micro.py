@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_info, machine_summary
+from common import machine_info, machine_summary, per_call_us
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -49,12 +49,6 @@ def _write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.T
     flat[0].index_copy_(0, slots, k)
     flat[1].index_copy_(0, slots, v)
 
-
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main() -> None:
