@@ -1,8 +1,9 @@
 """Which weights the linear layers multiply by: the GGUF's own 4-bit blocks or dense ones.
 
 A model converted from a GGUF (``engine.loader``) keeps the path of its source in the cache
-marker. When that file holds Q4_1 / Q4_0 layer matrices (``engine.gguf_quant``), the CPU
-bf16 engine can run them natively (``kernels.cpu_int4``): 4.5 bits a weight instead of 16.
+marker. When that file holds 4-bit layer matrices (``engine.gguf_quant``: Q4_1, Q4_0,
+Q4_K), the CPU bf16 engine can run them natively (``kernels.cpu_int4``): 4.5 bits a weight
+instead of 16.
 Whether that is faster depends on the CPU (the int4 kernel is about 3x slower on AVX2-only
 machines than on AVX512 ones), so ``weights="auto"`` times one decode step each way at
 start-up and keeps the faster; ``"int4"`` forces it (an error where it cannot run) and
@@ -27,7 +28,7 @@ from engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-Q4_CACHE_FILE = "q4_weights.safetensors"  # beside the converted checkpoint
+Q4_CACHE_FILE = "q4_weights-v1.safetensors"  # beside the converted checkpoint; bump on change
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,9 @@ def choose(runner: Any, model_dir: Path | None, hf_config: Any, requested: str,
     layers = runner.model.attach_int4_weights(q4)
     if layers == 0:
         if requested == "int4":
-            raise ConfigError(f"--weights int4: {source.name} has no Q4_0/Q4_1 layer matrices")
-        return WeightChoice("dense", f"{source.name} has no Q4_0/Q4_1 layer matrices")
+            raise ConfigError(f"--weights int4: {source.name} has no Q4_0/Q4_1/Q4_K layer "
+                              "matrices")
+        return WeightChoice("dense", f"{source.name} has no Q4_0/Q4_1/Q4_K layer matrices")
     if requested == "int4":
         runner.model.use_int4(True)
         return WeightChoice("int4", "int4 weights requested (--weights int4)", layers)

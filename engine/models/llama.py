@@ -241,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.forward(hidden).float()
 
     def enable_cpu_fast_path(self, gemv: Any) -> None:
-        """Route bf16 matmuls through the CPU GEMV kernel / fp32 GEMM (see :class:`Linear`)
+        """Route bf16 matmuls through the CPU GEMV kernel (see :class:`Linear`)
         and the small ops through the fused CPU kernels."""
         if self.dtype == torch.bfloat16 and cpu_fused.available():
             self.ops = FUSED_CPU_OPS
