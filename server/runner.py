@@ -69,7 +69,21 @@ class GatewayServer(uvicorn.Server):
         print(f"quickdraft: serving {self.gateway.model_name} at http://{host}:{port}\n"
               f"  WebSocket        ws://{host}:{port}/v1/ws\n"
               f"  OpenAI base URL  http://{host}:{port}/v1\n"
-              f"  health, metrics  http://{host}:{port}/health, /metrics", flush=True)
+              f"  health, metrics  http://{host}:{port}/health, /metrics{self._kernels()}",
+              flush=True)
+
+    def _kernels(self) -> str:
+        """What runs the model (weights, threads), as /health reports it: one line each."""
+        engine = getattr(self.gateway.llm, "engine", None)
+        weights = getattr(getattr(engine, "runner", None), "weights", None)
+        threads = getattr(engine, "threads", None)
+        lines = ""
+        if weights is not None:
+            lines += f"\n  weights          {weights.format} ({weights.reason})"
+        if threads is not None:
+            t = threads.describe()
+            lines += f"\n  CPU threads      {t['threads']} of {t['max_threads']}, {t['mode']}"
+        return lines
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: drain, then exit 0. A second one: stop now."""

@@ -152,6 +152,11 @@ def test_sigterm_drains_then_closes_1012(tiny_model_dir):
     try:
         base = p.wait_for_url()
         assert httpx.get(f"{base}/health").status_code == 200
+        # the start-up lines also say what runs the model (as /health does)
+        said = [p.lines.get(timeout=10) for _ in range(5)]
+        assert any("weights          dense (int4 not possible: dtype float32" in ln
+                   for ln in said), said
+        assert any("CPU threads      1 of 1, fixed" in ln for ln in said), said
         ws_url = base.replace("http://", "ws://") + "/v1/ws"
         with ws_open(ws_url) as ws:
             session(ws)
