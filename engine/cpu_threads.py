@@ -37,18 +37,19 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _DEFAULT_THREADS = torch.get_num_threads()
 
 
+def target_threads(max_threads: int, other_load: float) -> int:
+    """What the load leaves us: each core another process keeps busy (``other_load``, in
+    cores; 0.5 counts as one) takes one thread away, never below 1."""
+    return min(max_threads, max(1, max_threads - int(other_load + 0.5)))
+
+
 def choose_threads(max_threads: int, current: int, other_load: float, quiet_windows: int,
                    up_windows: int) -> int:
-    """The thread count for the next window.
-
-    ``other_load``: cores' worth of CPU other processes used on our cores in the last window;
-    ``quiet_windows``: how many windows in a row (this one included) wanted more threads
-    than ``current``. Each core another process keeps busy (rounded: 0.5 counts) takes one
-    thread away, never below 1; the count drops at once and rises only after ``up_windows``
-    quiet windows.
-    """
+    """The thread count for the next window: :func:`target_threads` at once when that is
+    fewer, only after ``up_windows`` quiet windows (``quiet_windows``: how many windows in a
+    row, this one included, wanted more than ``current``) when it is more."""
     assert max_threads >= 1 and 1 <= current <= max_threads
-    target = min(max_threads, max(1, max_threads - int(other_load + 0.5)))
+    target = target_threads(max_threads, other_load)
     if target < current:
         return target
     if target > current and quiet_windows >= up_windows:
@@ -138,7 +139,7 @@ class ThreadGovernor:
         other = max(0.0, (busy - busy0) - (own - own0)) / wall_ticks
         s = self.state
         s.other_load = round(other, 2)
-        wants_more = min(s.max_threads, max(1, s.max_threads - int(other + 0.5))) > s.threads
+        wants_more = target_threads(s.max_threads, other) > s.threads
         self._quiet = self._quiet + 1 if wants_more else 0
         threads = choose_threads(s.max_threads, s.threads, other, self._quiet, self.up_windows)
         if threads != s.threads:

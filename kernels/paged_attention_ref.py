@@ -8,20 +8,20 @@ Cache layout (one tensor per layer): ``kv_cache[2, num_blocks, block_size, num_k
 where index 0 is K and 1 is V. A token at position ``p`` of a sequence lives in slot
 ``block_table[p // block_size] * block_size + p % block_size``.
 
-The torch path is also the CPU runtime, so the per-step work (which tokens attend to which
-slots, the masks) is planned once per step in :func:`plan_attention` and reused by every
-layer; each layer then does one gather of K/V and one ``scaled_dot_product_attention`` per
-group of sequences. A bf16 step in which every sequence has at most ``SMALL_QUERY_MAX`` new
-tokens (decode, k+1 verification, short chunks) goes to the C kernel
-``kernels.cpu_attention.ragged_attention`` (tested against its own torch reference); it
-computes each token exactly as a lone decode query, so verification is bit-identical to
-decoding the same tokens one at a time.
+The torch path serves fp32 (the HF-exact oracle) and other dtypes: its per-step work (which
+tokens attend to which slots, the masks) is planned once per step, on first use, in
+:func:`plan_attention` and reused by every layer; each layer then does one gather of K/V and
+one ``scaled_dot_product_attention`` per group of sequences. Every bf16 step on the CPU goes
+to the C kernel instead (``kernels.cpu_attention``, tested against its own torch reference;
+prefill, verification and decode rows alike), which computes each token exactly as a lone
+decode query: a token's result never depends on its batch, and that step never plans groups.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -59,14 +59,18 @@ class AttentionMetadata:
     seq_lens: tuple[int, ...]  # [num_seqs] context length including the new tokens
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     block_size: int
-    groups: tuple[AttentionGroup, ...]  # the torch path's plan
     seq_lens_t: torch.Tensor  # [num_seqs] int32, for kernels
     query_start_loc_t: torch.Tensor  # [num_seqs + 1] int32, for kernels
-    small_queries_only: bool  # every sequence has at most SMALL_QUERY_MAX new tokens
 
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    @cached_property
+    def groups(self) -> tuple[AttentionGroup, ...]:
+        """The torch path's plan, made on first use (the C kernel never needs it)."""
+        return plan_attention(list(self.query_start_loc), list(self.seq_lens),
+                              self.block_tables, self.block_size)
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         """The same metadata with every tensor on ``device`` (built on the host first)."""
@@ -75,11 +79,12 @@ class AttentionMetadata:
 
         groups = tuple(replace(g, token_rows=move(g.token_rows), valid_rows=move(g.valid_rows),
                                kv_slots=move(g.kv_slots), mask=move(g.mask))
-                       for g in self.groups)
-        return replace(self, slot_mapping=move(self.slot_mapping),
-                       block_tables=move(self.block_tables), groups=groups,
-                       seq_lens_t=move(self.seq_lens_t),
-                       query_start_loc_t=move(self.query_start_loc_t))
+                       for g in self.groups)  # planned on the host, then moved
+        moved = replace(self, slot_mapping=move(self.slot_mapping),
+                        block_tables=move(self.block_tables), seq_lens_t=move(self.seq_lens_t),
+                        query_start_loc_t=move(self.query_start_loc_t))
+        moved.__dict__["groups"] = groups  # fills the cached property
+        return moved
 
 
 def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
@@ -177,11 +182,8 @@ def build_metadata(
         seq_lens=tuple(seq_lens),
         block_tables=block_tables,
         block_size=block_size,
-        groups=plan_attention(query_start_loc, seq_lens, block_tables, block_size),
         seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32),
-        small_queries_only=all(query_start_loc[i + 1] - query_start_loc[i] <= SMALL_QUERY_MAX
-                               for i in range(len(seq_lens))),
     )
     if device is not None and torch.device(device).type != "cpu":
         return meta.to(device)
