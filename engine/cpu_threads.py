@@ -3,7 +3,8 @@
 A decode step is ~150 short OpenMP regions (one per matmul and fused op). With as many
 threads as cores, each region ends in a barrier that waits for every thread; when another
 busy process shares the cores, one of our threads is descheduled for a whole scheduler slice
-and every region waits for it. Measured on a 2-core EPYC (SmolLM2, bf16, batch 1, one
+and every region waits for it. Measured on a 2-core EPYC with AVX512-BF16 (SmolLM2, bf16,
+batch 1, one
 ``python -c "while True: pass"`` beside it): 2 threads fall from ~83 to ~25 tok/s with stalls
 of ~200 ms between tokens, while 1 thread keeps ~55-73 tok/s, about what losing one core
 costs. Idle, 2 threads are faster (83 against 70). So the thread count follows the load.

@@ -3,13 +3,14 @@
 A model converted from a GGUF (``engine.loader``) keeps the path of its source in the cache
 marker. When that file holds 4-bit layer matrices (``engine.gguf_quant``: Q4_1, Q4_0,
 Q4_K), the CPU bf16 engine can run them natively (``kernels.cpu_int4``): 4.5 bits a weight
-instead of 16.
-Whether that is faster depends on the CPU (the int4 kernel is about 3x slower on AVX2-only
-machines than on AVX512 ones), so ``weights="auto"`` times one decode step each way at
-start-up and keeps the faster; ``"int4"`` forces it (an error where it cannot run) and
-``"dense"`` never uses it. The decision and its reason go to the start-up log and
-``/health`` (``"weights"``). Dense weights stay loaded: the LM head and embedding are dense
-in any case (SmolLM2's tied embedding is Q8_0, not a 4-bit format).
+instead of 16. Whether that is faster depends on the CPU (the issue that asked for it
+measured torch's int4 kernel about 3x slower on AVX2-only machines than on AVX512-BF16
+ones; with torch forced to its AVX2 kernels on an AVX512-BF16 machine, auto chose dense), so
+``weights="auto"`` times one decode step each way at start-up and keeps the faster;
+``"int4"`` forces it (an error where it cannot run) and ``"dense"`` never uses it. The
+decision and its reason go to the start-up log, ``/health`` (``"weights"``) and the
+``quickdraft serve`` start-up lines. Dense weights stay loaded: the LM head and embedding
+are dense in any case (SmolLM2's tied embedding is Q8_0, not a 4-bit format).
 """
 
 from __future__ import annotations

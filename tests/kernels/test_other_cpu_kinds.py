@@ -21,6 +21,9 @@ ROOT = Path(__file__).parents[2]
 SUITES = ["tests/kernels/test_cpu_fused.py", "tests/kernels/test_cpu_gemv.py",
           "tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_int4.py",
           "tests/engine/test_cpu_fast_path.py", "tests/engine/test_gguf_quant.py"]
+# On the AVX2 path also the default model end to end: its int4 kernel (the AVX2 one) and the
+# dense path, batch invariance and closeness to fp32 (~1 min).
+AVX2_ONLY = ["tests/engine/test_batch_invariance.py", "tests/engine/test_int4_weights.py"]
 _ORDER = ["default", "avx2", "avx512"]
 
 
@@ -34,9 +37,11 @@ def test_cpu_suites_pass_on_a_lower_cpu_kind(capability: str):
     if _ORDER.index(capability) >= _ORDER.index(_current()):
         pytest.skip(f"this machine's torch runs {_current()} already (the main run)")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    suites = [*SUITES, *AVX2_ONLY] if capability == "avx2" else SUITES
+    marks = [] if capability == "avx2" else ["-m", "not slow"]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-         "-x", *SUITES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *marks, "-x",
+         *suites], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = "\n".join(proc.stdout.splitlines()[-15:])
     assert proc.returncode == 0, f"under ATEN_CPU_CAPABILITY={capability}:\n{tail}"
     assert " passed" in tail
