@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from common import per_call_us
 
-from kernels import cpu_fused
+from kernels import cpu_fused, torch_ops
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 576, 9, 3, 64, 1536, 30
 EPS = 1e-5
@@ -55,13 +55,13 @@ def main() -> None:
     ops: dict[str, tuple[Callable[[], object], Callable[[], object], int]] = {
         # name: (fast, reference, calls per decoder layer)
         "rms_norm": (lambda: cpu_fused.rms_norm(x, w, EPS),
-                     lambda: cpu_fused.rms_norm_ref(x, w, EPS), 0),
+                     lambda: torch_ops.rms_norm(x, w, EPS), 0),
         "add_rms_norm": (lambda: cpu_fused.add_rms_norm(x, res, w, EPS),
-                         lambda: cpu_fused.add_rms_norm_ref(x, res, w, EPS), 2),
+                         lambda: torch_ops.add_rms_norm(x, res, w, EPS), 2),
         "rope_neox_": (lambda: cpu_fused.rope_neox_(qk, cos, sin),
-                       lambda: cpu_fused.rope_neox_ref(qk, cos, sin), 1),
+                       lambda: torch_ops.rope_neox(qk, cos, sin), 1),
         "silu_mul": (lambda: cpu_fused.silu_mul(gate_up),
-                     lambda: cpu_fused.silu_mul_ref(gate_up), 1),
+                     lambda: torch_ops.silu_mul(gate_up), 1),
     }
     print(f"rows={rows} hidden={HIDDEN} threads={torch.get_num_threads()} "
           f"median of {args.samples} samples x {args.calls} calls (us per call)")

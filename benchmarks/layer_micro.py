@@ -35,7 +35,9 @@ from kernels import cpu_attention, cpu_int4
 @torch.library.custom_op("quickdraft_bench::attention", mutates_args=())
 def _attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                qsl: torch.Tensor, scale: float) -> torch.Tensor:
-    return cpu_attention.ragged_attention(q.contiguous(), kv, tables, lens, qsl, scale)
+    out = cpu_attention.ragged_attention(q.contiguous(), kv, tables, lens, qsl, scale)
+    assert out is not None, "the CPU attention kernel is not available here"
+    return out
 
 
 @_attention.register_fake
@@ -46,8 +48,8 @@ def _(q, kv, tables, lens, qsl, scale):  # type: ignore[no-untyped-def]
 @torch.library.custom_op("quickdraft_bench::write_kv", mutates_args=("kv",))
 def _write_kv(k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
     flat = kv.view(2, -1, *kv.shape[3:])
-    flat[0].index_copy_(0, slots, k)
-    flat[1].index_copy_(0, slots, v)
+    flat[0][slots] = k
+    flat[1][slots] = v
 
 
 
@@ -64,10 +66,10 @@ def main() -> None:
                     progress=False)
     model = llm.runner.model
     layer, kv = model.layers[0], llm.runner.kv_caches[0]
-    from kernels import paged_attention_ref as ref
+    from kernels.attention_metadata import build_metadata
 
     ctx = 65
-    meta = ref.build_metadata([0, 1], [ctx], [list(range(5))], llm.config.block_size)
+    meta = build_metadata([0, 1], [ctx], [list(range(5))], llm.config.block_size)
     x = torch.randn(1, 576).bfloat16()
     res = torch.randn(1, 576).bfloat16()
     cos_sin = model.rotary.cos_sin(torch.tensor([ctx - 1]))
@@ -104,7 +106,7 @@ def main() -> None:
         inductor_config.freezing = args.freezing
         compiled = torch.compile(layer_fn, dynamic=False, fullgraph=False)
         call_args = (x, res, *cos_sin, kv, meta.slot_mapping, meta.block_tables,
-                     meta.seq_lens_t, meta.query_start_loc_t)
+                     meta.seq_lens, meta.query_start_loc)
         t0 = time.perf_counter()
         with torch.inference_mode():
             compiled(*call_args)

@@ -3,9 +3,9 @@
 Two backends share one model definition (:mod:`engine.models.llama`), which calls them
 through a small interface:
 
-* ``torch``: the reference. Attention is :mod:`kernels.paged_attention_ref` (SDPA / fp32
-  math over gathered context, the bf16 C kernels on CPU), the layer ops are the torch
-  references (or the fused C kernels for bf16 on CPU), verification is
+* ``torch``: the reference. Attention is :mod:`kernels.torch_attention` (SDPA / fp32
+  math over gathered context, the bf16 C kernels on CPU), the layer ops are
+  :mod:`kernels.torch_ops` (or the fused C kernels for bf16 on CPU), verification is
   :func:`spec.rejection_sampler.rejection_sample`. Runs anywhere, CUDA included.
 * ``triton``: the GPU fast path. :mod:`kernels.triton_attention` (paged attention for any mix
   of decode, verification and prefill rows in one launch, and the KV write),
@@ -48,7 +48,8 @@ class BackendChoice:
 class KernelBackend:
     name: str  # "torch" | "triton"
     device: torch.device
-    attention: ModuleType  # build_metadata(..., device), write_kv, paged_attention
+    attention: ModuleType  # write_kv, paged_attention(, write_kv_and_attend): all read the
+    # one kernels.attention_metadata.AttentionMetadata, built from the step plan
     layer_ops: LayerOps | None  # None: the model keeps its own (torch refs / fused CPU ops)
     rejection_sample: Callable[..., Any]  # spec.rejection_sampler.rejection_sample's signature
     cuda_graphs: bool
@@ -126,10 +127,10 @@ def select_backend(config: EngineConfig) -> KernelBackend:
     if choice.name == "triton":
         backend = _triton_backend(device, choice)
     else:
-        from kernels import paged_attention_ref
+        from kernels import torch_attention
         from spec.rejection_sampler import rejection_sample
 
-        backend = KernelBackend("torch", device, paged_attention_ref, None, rejection_sample,
+        backend = KernelBackend("torch", device, torch_attention, None, rejection_sample,
                                 False, choice.reason)
     log.info("kernel backend: %s", backend.describe())
     return backend

@@ -10,7 +10,7 @@ most ``max_query_len`` (1 + the speculative width) rows per request. Prefill chu
 eagerly. Buckets are step sizes in tokens: 1, 2, 4, 8, then multiples of 8 up to
 ``max_tokens``. Bucket ``T`` holds up to ``min(T, max_num_seqs)`` real sequences plus one
 padding sequence that owns the ``T - num_tokens`` padding rows (see
-:mod:`kernels.step_metadata`): slot -1 (no KV write), context of one position (block 0),
+:mod:`kernels.attention_metadata`): slot -1 (no KV write), context of one position (block 0),
 outputs discarded.
 
 Static state, shared by every graph: ``input_ids`` / ``positions`` ``[max_tokens]`` int64,
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kernels.step_metadata import MetadataLayout, fill_packed, unpack
+from engine.step_plan import CHECK_INVARIANTS, StepPlan
+from kernels.attention_metadata import AttentionMetadata, MetadataLayout, fill_packed, unpack
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +70,6 @@ def cuda_capture(device: torch.device) -> Capture:
     return capture
 
 
-@dataclass(frozen=True)
-class GraphStep:
-    """A graph-eligible step, as flat lists."""
-
-    input_ids: Sequence[int]
-    positions: Sequence[int]
-    query_start_loc: Sequence[int]
-    seq_lens: Sequence[int]
-    block_tables: Sequence[Sequence[int]]
-
-
 class CUDAGraphRunner:
     """Captured forwards ``(input_ids, positions, metadata) -> hidden`` per token bucket."""
 
@@ -105,6 +94,7 @@ class CUDAGraphRunner:
                                   device=device)
         self._capture = capture
         self.graphs: dict[int, StepFn] = {}
+        self.metas: dict[int, AttentionMetadata] = {}  # per bucket, over the static buffers
         self.num_replays = 0  # steps served by a graph (stats and tests)
 
     def _layout(self, num_tokens: int) -> MetadataLayout:
@@ -129,7 +119,7 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         for size in reversed(self.buckets):
             step_fn = self._step_fn(size)
-            self._fill(size, GraphStep([], [], [0], [], []))
+            self._fill(size, StepPlan([], [], [0], [], [], [], []))
             step_fn()  # eager warm-up: JIT compilation and autotuning happen outside capture
             self.graphs[size] = self._capture(step_fn)
         seconds = time.perf_counter() - start
@@ -140,9 +130,11 @@ class CUDAGraphRunner:
     def _step_fn(self, size: int) -> StepFn:
         layout = self._layout(size)
         splits = self.choose_num_splits(layout.num_seqs, self.max_query_len, self.max_model_len)
-        meta = unpack(self.meta[: layout.size], layout, self.block_size,
+        meta = unpack(self.meta[: layout.size], self.meta_host.numpy()[: layout.size], layout,
+                      self.block_size,
                       max_query_len=max(self.max_query_len, 1),
                       max_seq_len=self.max_model_len, num_splits=splits)
+        self.metas[size] = meta
         ids, positions, out = self.ids[0, :size], self.ids[1, :size], self.hidden[:size]
 
         def step() -> None:
@@ -150,7 +142,7 @@ class CUDAGraphRunner:
 
         return step
 
-    def _fill(self, size: int, step: GraphStep) -> None:
+    def _fill(self, size: int, step: StepPlan) -> None:
         """Write a step into the static buffers (host staging, then one copy each)."""
         n = len(step.input_ids)
         ids = self.ids_host.numpy()
@@ -163,13 +155,16 @@ class CUDAGraphRunner:
         self.meta[: layout.size].copy_(self.meta_host[: layout.size], non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, step: GraphStep) -> torch.Tensor:
+    def run(self, step: StepPlan) -> torch.Tensor:
         """Replay the bucket's graph for ``step``: hidden states ``[num_tokens, hidden]`` (a
         view of the static output: use it before the next step)."""
         n = len(step.input_ids)
         size = self.bucket_for(n)
         assert size is not None and size in self.graphs, f"no graph for {n} tokens"
         self._fill(size, step)
+        if CHECK_INVARIANTS:
+            step.check_invariants(self.block_size)
+            self.metas[size].check_invariants()
         self.graphs[size]()
         self.num_replays += 1
         return self.hidden[:n]

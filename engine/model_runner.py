@@ -2,14 +2,13 @@
 
 The runner owns the model weights and the K/V tensors, on the kernel backend's device
 (:mod:`engine.backend`). It reads block tables from the ``SchedulerOutput`` it is given and
-never edits them. A step is first flattened into a :class:`StepPlan` (host lists); the
-decode/verification steps that fit a captured CUDA graph replay it
-(:mod:`engine.cuda_graphs`), the others build their metadata and run eagerly.
+never edits them. A step is first flattened into a :class:`engine.step_plan.StepPlan` (host
+lists); the decode/verification steps that fit a captured CUDA graph replay it
+(:mod:`engine.cuda_graphs`), the others build its attention metadata and run eagerly.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -21,62 +20,21 @@ import torch
 from engine import loader, weight_format
 from engine.backend import KernelBackend, select_backend, synchronize
 from engine.config import EngineConfig
-from engine.cuda_graphs import Capture, CUDAGraphRunner, GraphStep, cuda_capture, eager_capture
+from engine.cuda_graphs import Capture, CUDAGraphRunner, cuda_capture, eager_capture
 from engine.kv_cache import kv_bytes_per_block
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import SamplingBatch, sample
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_plan import StepPlan, plan_step
 from kernels import cpu_gemv
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StepPlan:
-    """One step as flat host lists: what the eager path and the CUDA graphs both consume."""
-
-    input_ids: list[int]
-    positions: list[int]
-    query_start_loc: list[int]  # [num_seqs + 1]
-    seq_lens: list[int]  # [num_seqs] context length including the new tokens
-    block_tables: list[Sequence[int]]
-    logits_indices: list[int]  # rows of the flat batch to score
-    sample_requests: list[int]  # indices into SchedulerOutput.requests that sample this step
-
-    @property
-    def max_query_len(self) -> int:
-        return max((b - a for a, b in itertools.pairwise(self.query_start_loc)), default=0)
-
-    @property
-    def all_rows_sampled(self) -> bool:
-        return len(self.logits_indices) == len(self.input_ids)
-
-
-@dataclass(frozen=True)
 class RunnerOutput:
     sampled: list[list[int]]  # per scheduled request: accepted tokens (empty if none)
     logprobs: list[list[float]] | None
-
-
-def plan_step(sched: SchedulerOutput) -> StepPlan:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    query_start_loc = [0]
-    seq_lens: list[int] = []
-    logits_indices: list[int] = []
-    sample_requests: list[int] = []
-    for i, req in enumerate(sched.requests):
-        n = req.num_tokens
-        input_ids += req.token_ids
-        positions += range(req.start_pos, req.start_pos + n)
-        query_start_loc.append(query_start_loc[-1] + n)
-        seq_lens.append(req.start_pos + n)
-        if req.sample:
-            end = query_start_loc[-1]
-            logits_indices += range(end - 1 - req.num_draft_tokens, end)
-            sample_requests.append(i)
-    return StepPlan(input_ids, positions, query_start_loc, seq_lens,
-                    [r.block_table for r in sched.requests], logits_indices, sample_requests)
 
 
 def load_model(model_dir: Any, hf_config: Any, dtype: torch.dtype, max_model_len: int,
@@ -176,15 +134,11 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.eligible(
                 len(plan.input_ids), len(plan.seq_lens), plan.max_query_len,
                 plan.all_rows_sampled):
-            hidden = self.graphs.run(GraphStep(plan.input_ids, plan.positions,
-                                               plan.query_start_loc, plan.seq_lens,
-                                               plan.block_tables))
+            hidden = self.graphs.run(plan)
             return self.model.compute_logits(hidden)  # every row is sampled
         packed = torch.tensor([plan.input_ids, plan.positions], dtype=torch.int64)
         packed = packed.to(self.device, non_blocking=True)  # [2, num_tokens], one copy
-        meta = self.backend.attention.build_metadata(
-            plan.query_start_loc, plan.seq_lens, plan.block_tables, self.config.block_size,
-            self.device)
+        meta = plan.attention_metadata(self.config.block_size, self.device)
         hidden = self.model(packed[0], packed[1], self.kv_caches, meta)  # [T, hidden]
         if not plan.all_rows_sampled:
             index = torch.tensor(plan.logits_indices, dtype=torch.int64)

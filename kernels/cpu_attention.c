@@ -336,7 +336,7 @@ int qd_ragged_attention_bf16(const void* q, const void* kv, const int32_t* block
  * and v are stored at cache slot slots[t] (block slot / block_size, offset slot % block_size),
  * then out = qd_ragged_attention_bf16 of the q columns. Every slot is checked before anything
  * is written: a bad one returns QD_EARG with the cache untouched. */
-int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int64_t* slots, void* kv,
+int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int32_t* slots, void* kv,
                                const int32_t* block_tables, const int32_t* seq_lens,
                                const int32_t* query_start_loc, void* out, int num_seqs,
                                int num_tokens, int heads, int kv_heads, int d, int block_size,

@@ -5,7 +5,9 @@ all query heads of a kv-head group together (GQA: each K/V row is read once per 
 uses an online softmax in fp32 over chunks of positions. It is built with gcc on first use
 into ``$QUICKDRAFT_CACHE/kernels`` (default ``~/.cache/quickdraft/kernels``), keyed by a hash
 of the source and flags, and loaded with ctypes. Without gcc, AVX2/FMA or on a failed build,
-:func:`available` is False and the entry points run their torch references.
+:func:`available` is False and the entry points return None: the caller
+(:mod:`kernels.torch_attention`) then runs the torch path. The oracle the kernels are tested
+against lives in ``tests/kernels/attention_oracle.py``.
 
 :func:`ragged_attention` takes any number of new tokens per sequence (a decode token, k+1
 speculative-verification tokens, a short prefill chunk), attending causally; each (token, kv
@@ -14,17 +16,17 @@ so in bf16 verifying k+1 tokens gives bit-identical results to decoding them one
 (and a token's result never depends on the rest of the batch or the thread count).
 :func:`decode_attention` is its one-token-per-sequence case.
 
-Cache layout as in :mod:`kernels.paged_attention_ref`:
+Cache layout as in :mod:`kernels.attention_metadata`:
 ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V); position
 ``p`` of sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
 ``p % block_size``.
 
 The entry points are called once per layer per step, so they check only what is cheap
-(dtypes, ``is_cpu``, contiguity, ranks and shapes); anything else runs the reference. The C
+(dtypes, ``is_cpu``, contiguity, ranks and shapes); anything else returns None. The C
 side also checks block ids against ``num_blocks``, the query layout (``query_start_loc``
 starts at 0, never decreases, ends at ``num_tokens``) and ``q_len <= seq_lens[s] <=
-max_blocks * block_size`` with a nonempty visible context; a violation falls back to the
-reference too (which then raises or returns garbage/NaN for an empty context).
+max_blocks * block_size`` with a nonempty visible context; a violation returns
+None too (the torch path then raises, or returns NaN for an empty context).
 """
 
 from __future__ import annotations
@@ -92,56 +94,6 @@ def available() -> bool:
         return False
 
 
-def ragged_attention_ref(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The semantics: token ``i`` of sequence ``s`` (rows ``query_start_loc[s] ..
-    query_start_loc[s+1] - 1``, ``q_len`` of them) and head ``h`` (kv head ``h // (heads //
-    kv_heads)``) get ``softmax(scale * q K^T) V`` over positions ``[0, seq_lens[s] - q_len +
-    i]`` in fp32, returned in ``query.dtype``. Shapes as in :func:`ragged_attention`."""
-    num_tokens, heads, dim = query.shape
-    block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = heads // kv_heads
-    kv_flat = kv_cache.reshape(2, -1, kv_heads, dim)  # [2, slots, kv_heads, d]
-    out = torch.empty(num_tokens, heads, dim, dtype=query.dtype)
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    qsl = [int(x) for x in query_start_loc]
-    for s in range(len(qsl) - 1):
-        start, end = qsl[s], qsl[s + 1]
-        if end <= start:
-            continue
-        ctx, q_len = int(seq_lens[s]), end - start
-        n_blocks = -(-ctx // block_size)
-        blocks = block_tables[s, :n_blocks].to(torch.int64)
-        slots = (blocks[:, None] * block_size + offsets).reshape(-1)[:ctx]
-        k = kv_flat[0, slots].float().repeat_interleave(group, dim=1)  # [ctx, H, d]
-        v = kv_flat[1, slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->qhk", query[start:end].float(), k) * scale
-        q_pos = torch.arange(ctx - q_len, ctx)[:, None, None]  # [q, 1, 1]
-        scores.masked_fill_(torch.arange(ctx)[None, None, :] > q_pos, float("-inf"))
-        out[start:end] = torch.einsum("qhk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
-    return out
-
-
-def decode_attention_ref(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The semantics: for sequence s and head h (kv head ``h // (heads // kv_heads)``),
-    ``softmax(scale * q K^T) V`` over positions ``[0, seq_lens[s])`` in fp32, returned in
-    ``query.dtype``. Shapes as in :func:`decode_attention`."""
-    qsl = torch.arange(query.shape[0] + 1, dtype=torch.int32)
-    return ragged_attention_ref(query, kv_cache, block_tables, seq_lens, qsl, scale)
-
-
 def _run(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -151,7 +103,7 @@ def _run(
     scale: float,
 ) -> torch.Tensor | None:
     """The C call (``query_start_loc`` None: one token per sequence), or None when the inputs
-    are not the kernel's (the caller then runs its reference)."""
+    are not the kernel's (the caller then runs the torch path)."""
     lib = _lib()
     if (lib is None or query.dtype is not _BF16 or kv_cache.dtype is not _BF16
             or block_tables.dtype is not _I32 or seq_lens.dtype is not _I32
@@ -193,15 +145,14 @@ def ragged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, offsets of each sequence's tokens
     scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] bf16
-    """:func:`ragged_attention_ref` in one C call (the new tokens' K/V already in the cache).
-    All tensors CPU and contiguous, query/kv_cache bf16, block_tables, seq_lens and
-    query_start_loc int32, ``head_dim % 8 == 0``; otherwise the reference runs."""
-    out = _run(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)
-    if out is None:
-        return ragged_attention_ref(query, kv_cache, block_tables, seq_lens, query_start_loc,
-                                    scale)
-    return out
+) -> torch.Tensor | None:  # [num_tokens, num_heads, head_dim] bf16
+    """Token ``i`` of sequence ``s`` (rows ``query_start_loc[s] .. query_start_loc[s+1] - 1``,
+    ``q_len`` of them) and head ``h`` (kv head ``h // (heads // kv_heads)``) get
+    ``softmax(scale * q K^T) V`` over positions ``[0, seq_lens[s] - q_len + i]`` in fp32,
+    returned in bf16, in one C call (the new tokens' K/V already in the cache). All tensors
+    CPU and contiguous, query/kv_cache bf16, block_tables, seq_lens and query_start_loc
+    int32, ``head_dim % 8 == 0``; otherwise None (the caller runs the torch path)."""
+    return _run(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)
 
 
 def decode_attention(
@@ -210,14 +161,10 @@ def decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new token
     scale: float,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] bf16
-    """:func:`decode_attention_ref` in one C call (one new token per sequence, whose K/V is
-    already in the cache): :func:`ragged_attention` with ``query_start_loc = arange``, same
-    code path and bits. Input rules as there; otherwise the reference runs."""
-    out = _run(query, kv_cache, block_tables, seq_lens, None, scale)
-    if out is None:
-        return decode_attention_ref(query, kv_cache, block_tables, seq_lens, scale)
-    return out
+) -> torch.Tensor | None:  # [num_seqs, num_heads, head_dim] bf16
+    """:func:`ragged_attention` with one new token per sequence (``query_start_loc =
+    arange``): same code path and bits. Input rules as there; otherwise None."""
+    return _run(query, kv_cache, block_tables, seq_lens, None, scale)
 
 
 def write_kv_and_attend(
@@ -225,7 +172,7 @@ def write_kv_and_attend(
     heads: int,
     kv_heads: int,
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim] bf16
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    slot_mapping: torch.Tensor,  # [num_tokens] int32
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
@@ -233,13 +180,13 @@ def write_kv_and_attend(
 ) -> torch.Tensor | None:  # [num_tokens, heads, head_dim] bf16
     """A layer's KV write (the k and v columns of ``qkv`` into their slots) and
     :func:`ragged_attention` of its q columns, in one C call with no copies; bit-equal to
-    ``paged_attention_ref.write_kv`` then :func:`ragged_attention`. None (nothing written)
+    ``torch_attention.write_kv`` then :func:`ragged_attention`. None (nothing written)
     when the inputs are not the kernel's: the caller then runs those two."""
     lib = _lib()
     if (lib is None or qkv.dtype is not _BF16 or kv_cache.dtype is not _BF16
             or not (qkv.is_cpu and kv_cache.is_cpu) or qkv.dim() != 2 or qkv.stride(1) != 1
             or not kv_cache.is_contiguous() or kv_cache.dim() != 5
-            or slot_mapping.dtype is not torch.int64 or not slot_mapping.is_contiguous()
+            or slot_mapping.dtype is not _I32 or not slot_mapping.is_contiguous()
             or block_tables.dtype is not _I32 or not block_tables.is_contiguous()
             or seq_lens.dtype is not _I32 or not seq_lens.is_contiguous()
             or query_start_loc.dtype is not _I32 or not query_start_loc.is_contiguous()):

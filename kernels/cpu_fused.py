@@ -5,9 +5,9 @@ per-op overhead, not arithmetic; ``cpu_fused.c`` does each in one ctypes call. I
 with gcc on first use into ``$QUICKDRAFT_CACHE/kernels`` (default ``~/.cache/quickdraft/
 kernels``), keyed by a hash of the source and flags, and loaded with ctypes. Without gcc,
 AVX2/FMA or on a failed build, :func:`available` is False and every function runs its
-``*_ref`` reference instead.
+plain-torch twin in :mod:`kernels.torch_ops` instead.
 
-The ``*_ref`` functions define the semantics (plain torch, the op order of HF Llama). RoPE,
+Those twins define the semantics (plain torch, the op order of HF Llama). RoPE,
 SiLU·up and the residual add reproduce them bit for bit on finite inputs on every CPU: SiLU
 uses a port of SLEEF's ``expf`` (what ATen's vectorised exp calls) and libm's ``expf`` where
 ATen's scalar tail loop would; RoPE and the adds only need the same roundings. RMSNorm sums
@@ -18,7 +18,7 @@ the CPU kind or on which other rows are in the call (``tests/kernels/sum_order_o
 writes the order out in Python).
 
 The fast functions are called ~120 times per decode step, so they check only what is cheap
-(dtype, ``is_cpu``, contiguity, shapes; anything else runs the reference). Not checked:
+(dtype, ``is_cpu``, contiguity, shapes; anything else runs the torch op). Not checked:
 autograd (they are for inference: outputs have no ``grad_fn``) and, for the in-place
 ``rope_neox_``, overlap between x and cos/sin.
 """
@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from kernels import cbuild
+from kernels import cbuild, torch_ops
 
 log = logging.getLogger(__name__)
 
@@ -108,77 +107,43 @@ def available() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# references (the semantics; also the fallbacks)
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Llama RMSNorm: ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``."""
-    x32 = x.float()
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
-
-
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``r = x + residual`` (rounded to x.dtype), then ``(rms_norm_ref(r), r)``."""
-    r = x + residual
-    return rms_norm_ref(r, weight, eps), r
-
-
-def rope_neox_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` for x ``[rows, heads, d]`` and cos/sin ``[rows, d]``
-    (or ``[rows, 1, d]``), shared by all heads; a new tensor."""
-    rows, d = x.shape[0], x.shape[-1]
-    cos, sin = cos.reshape(rows, 1, d), sin.reshape(rows, 1, d)
-    half = d // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up`` with ``gate, up = gate_up.chunk(2, dim=-1)``."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-# ----------------------------------------------------------------------------------------------
 # fast paths
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`rms_norm_ref` in one call. x ``[..., hidden]`` and weight ``[hidden]``: CPU bf16,
-    contiguous (otherwise the reference runs)."""
+    """:func:`kernels.torch_ops.rms_norm` in one call. x ``[..., hidden]`` and weight
+    ``[hidden]``: CPU bf16, contiguous (otherwise the torch op runs)."""
     lib = _lib()
     if (lib is None or x.dtype is not _BF16 or weight.dtype is not _BF16
             or not (x.is_cpu and weight.is_cpu)
             or not x.is_contiguous() or not weight.is_contiguous()):
-        return rms_norm_ref(x, weight, eps)
+        return torch_ops.rms_norm(x, weight, eps)
     n = weight.numel()
     if n == 0 or x.shape[-1] != n:
-        return rms_norm_ref(x, weight, eps)
+        return torch_ops.rms_norm(x, weight, eps)
     rows = x.numel() // n
     y = torch.empty_like(x)  # contiguous, like x (faster than torch.empty(shape))
     rc = lib.rms_norm(x.data_ptr(), None, weight.data_ptr(), y.data_ptr(), None, rows, n, eps,
                       torch.get_num_threads() if rows > _PAR_ROWS else 1)
     if rc != 0:
-        return rms_norm_ref(x, weight, eps)
+        return torch_ops.rms_norm(x, weight, eps)
     return y
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`add_rms_norm_ref` in one call: ``(rms_norm(x + residual), x + residual)``.
-    x, residual ``[..., hidden]`` of the same shape and weight ``[hidden]``: CPU bf16,
-    contiguous (otherwise the reference runs)."""
+    """:func:`kernels.torch_ops.add_rms_norm` in one call: ``(rms_norm(x + residual),
+    x + residual)``. x, residual ``[..., hidden]`` of the same shape and weight ``[hidden]``:
+    CPU bf16, contiguous (otherwise the torch op runs)."""
     lib = _lib()
     if (lib is None or x.dtype is not _BF16 or residual.dtype is not _BF16
             or weight.dtype is not _BF16 or not (x.is_cpu and residual.is_cpu and weight.is_cpu)
             or not x.is_contiguous() or not residual.is_contiguous()
             or not weight.is_contiguous()):
-        return add_rms_norm_ref(x, residual, weight, eps)
+        return torch_ops.add_rms_norm(x, residual, weight, eps)
     n = weight.numel()
     if n == 0 or x.shape[-1] != n or residual.shape != x.shape:
-        return add_rms_norm_ref(x, residual, weight, eps)
+        return torch_ops.add_rms_norm(x, residual, weight, eps)
     rows = x.numel() // n
     y = torch.empty_like(x)
     r = torch.empty_like(x)
@@ -186,12 +151,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       r.data_ptr(), rows, n, eps,
                       torch.get_num_threads() if rows > _PAR_ROWS else 1)
     if rc != 0:
-        return add_rms_norm_ref(x, residual, weight, eps)
+        return torch_ops.add_rms_norm(x, residual, weight, eps)
     return y, r
 
 
 def rope_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rope_neox_ref` in place on x; returns x.
+    """:func:`kernels.torch_ops.rope_neox` in place on x; returns x.
 
     x ``[rows, heads, d]`` CPU bf16 with ``stride(2) == 1`` and any row/head strides (e.g.
     ``qkv[:, :q + k].view(rows, heads, d)`` of a ``[rows, q + 2 kv]`` matrix); cos and sin
@@ -208,24 +173,24 @@ def rope_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
                           s_head, torch.get_num_threads() if rows > _PAR_ROWS else 1)
             if rc == 0:
                 return x
-    return x.copy_(rope_neox_ref(x, cos, sin))
+    return x.copy_(torch_ops.rope_neox(x, cos, sin))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """:func:`silu_mul_ref` in one call. gate_up ``[..., 2 * inter]``: CPU bf16, contiguous
-    (otherwise the reference runs); returns ``[..., inter]``."""
+    """:func:`kernels.torch_ops.silu_mul` in one call. gate_up ``[..., 2 * inter]``: CPU bf16,
+    contiguous (otherwise the torch op runs); returns ``[..., inter]``."""
     lib = _lib()
     if (lib is None or gate_up.dtype is not _BF16 or not gate_up.is_cpu
             or not gate_up.is_contiguous()):
-        return silu_mul_ref(gate_up)
+        return torch_ops.silu_mul(gate_up)
     shape = gate_up.shape
     inter = shape[-1] // 2
     if inter == 0 or shape[-1] & 1:
-        return silu_mul_ref(gate_up)
+        return torch_ops.silu_mul(gate_up)
     rows = gate_up.numel() // (2 * inter)
     y = torch.empty(rows, inter, dtype=_BF16)
     rc = lib.silu_mul(gate_up.data_ptr(), y.data_ptr(), rows, inter, lib.vec_block,
                       torch.get_num_threads() if rows > _PAR_ROWS else 1)
     if rc != 0:
-        return silu_mul_ref(gate_up)
+        return torch_ops.silu_mul(gate_up)
     return y if len(shape) == 2 else y.view(*shape[:-1], inter)

@@ -1,11 +1,11 @@
 """Triton paged attention (varlen queries, one launch; optional split-KV) and the KV write.
 
 The attention of the ``triton`` kernel backend (:mod:`engine.backend`). It has the module
-interface of :mod:`kernels.paged_attention_ref` (``build_metadata``, ``write_kv``,
-``paged_attention``); its metadata (:mod:`kernels.step_metadata`) is built on the host and
-sent to the device in one copy per step, or lives in a CUDA graph's static buffers.
+interface of :mod:`kernels.torch_attention` (``write_kv``, ``paged_attention``) and reads
+the same :class:`kernels.attention_metadata.AttentionMetadata`, built on the host and sent
+to the device in one copy per step, or living in a CUDA graph's static buffers.
 
-Layout as in :mod:`kernels.paged_attention_ref`: ``kv_cache[2, num_blocks, block_size,
+Layout as in :mod:`kernels.attention_metadata`: ``kv_cache[2, num_blocks, block_size,
 num_kv_heads, head_dim]`` (0 = K, 1 = V), position ``p`` of sequence ``s`` in block
 ``block_tables[s, p // block_size]`` at offset ``p % block_size``; flat queries
 ``[num_tokens, num_heads, head_dim]``, sequence ``s`` owning rows
@@ -37,16 +37,13 @@ import math
 
 import torch
 
-from kernels.paged_attention_ref import AttentionMetadata
-from kernels.step_metadata import DeviceAttentionMetadata, build_metadata
+from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_common import INTERPRET, available, jit, next_pow2, require, round_to, tl
 
 __all__ = [
     "AttentionMetadata",
-    "DeviceAttentionMetadata",
     "attention_config",
     "available",
-    "build_metadata",
     "choose_num_splits",
     "interpreting",
     "paged_attention",
@@ -368,41 +365,25 @@ def paged_attention_varlen(
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    meta: DeviceAttentionMetadata | AttentionMetadata,
+    meta: AttentionMetadata,  # its tensors on the query's device
     scale: float,
     *,
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """:func:`kernels.paged_attention_ref.paged_attention` in one launch (two with split-KV).
-
-    ``meta`` is this module's :func:`build_metadata` (already on the device: what the engine
-    passes) or the reference's metadata (its tensors are copied to the query's device; for
-    tests). ``num_splits``: None takes ``meta.num_splits``, else picks with
-    :func:`choose_num_splits`; 1 = no split."""
-    if isinstance(meta, AttentionMetadata):
-        meta = _from_reference(meta, query.device)
+    """:func:`kernels.torch_attention.paged_attention` in one launch (two with split-KV).
+    ``num_splits``: None takes ``meta.num_splits``, else picks with :func:`choose_num_splits`;
+    1 = no split."""
     if num_splits is None:
         num_splits = meta.num_splits
     if num_splits is None:
-        num_splits = choose_num_splits(meta.seq_lens_t.shape[0], kv_cache.shape[3],
-                                       meta.max_query_len, meta.max_seq_len)
+        num_splits = choose_num_splits(meta.num_seqs, kv_cache.shape[3], meta.max_query_len,
+                                       meta.max_seq_len)
     return paged_attention_varlen(
-        query, kv_cache, meta.block_tables, meta.seq_lens_t, meta.query_start_loc_t, scale,
+        query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
         max_query_len=meta.max_query_len, num_splits=num_splits, block_m=block_m,
         block_n=block_n)
-
-
-def _from_reference(meta: AttentionMetadata, device: torch.device) -> DeviceAttentionMetadata:
-    q_lens = [b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:],
-                                    strict=False)]
-    return DeviceAttentionMetadata(
-        slot_mapping=_on(meta.slot_mapping, device),
-        query_start_loc_t=_on(meta.query_start_loc_t, device),
-        seq_lens_t=_on(meta.seq_lens_t, device), block_tables=_on(meta.block_tables, device),
-        block_size=meta.block_size, max_query_len=max(q_lens, default=0),
-        max_seq_len=max(meta.seq_lens, default=0))
 
 
 def write_kv(
@@ -411,7 +392,7 @@ def write_kv(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int (negative = skip)
 ) -> None:
-    """:func:`kernels.paged_attention_ref.write_kv`: scatter the new tokens' K/V into their
+    """:func:`kernels.torch_attention.write_kv`: scatter the new tokens' K/V into their
     cache slots (cast to the cache dtype)."""
     require("kernels.triton_attention")
     num_tokens, kv_heads, head_dim = key.shape

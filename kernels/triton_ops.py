@@ -203,13 +203,13 @@ def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`kernels.cpu_fused.rms_norm_ref`: x ``[..., hidden]``, weight ``[hidden]``."""
+    """:func:`kernels.torch_ops.rms_norm`: x ``[..., hidden]``, weight ``[hidden]``."""
     return _norm(x, None, weight, eps)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kernels.cpu_fused.add_rms_norm_ref`: ``(rms_norm(x + residual), x + residual)``
+    """:func:`kernels.torch_ops.add_rms_norm`: ``(rms_norm(x + residual), x + residual)``
     for x, residual of the same shape and dtype."""
     if residual.dtype != x.dtype:
         raise TypeError(f"x is {x.dtype}, residual {residual.dtype}")
@@ -219,7 +219,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def rope_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`kernels.cpu_fused.rope_neox_ref` in place on x; returns x.
+    """:func:`kernels.torch_ops.rope_neox` in place on x; returns x.
 
     x ``[rows, heads, d]`` with any strides (e.g. the q|k columns of a fused qkv output);
     cos, sin ``[rows, d]`` or ``[rows, 1, d]``, shared by all heads."""
@@ -240,7 +240,7 @@ def rope_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """:func:`kernels.cpu_fused.silu_mul_ref`: gate_up ``[..., 2 * inter]`` -> ``[..., inter]``."""
+    """:func:`kernels.torch_ops.silu_mul`: gate_up ``[..., 2 * inter]`` -> ``[..., inter]``."""
     require("kernels.triton_ops")
     two_inter = gate_up.shape[-1]
     if two_inter % 2:

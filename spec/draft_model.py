@@ -39,6 +39,7 @@ from engine.model_runner import allocate_kv_caches, load_model, model_kv_bytes_p
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import apply_temperature_and_filters, sample_from_probs
 from engine.sampling_params import SamplingParams
+from engine.step_plan import StepPlan
 
 
 class DraftModelError(ValueError):
@@ -132,19 +133,13 @@ class DraftModelRunner:
     def _forward(self, feeds: list[list[int]], starts: list[int],
                  tables: list[tuple[int, ...]]) -> torch.Tensor:
         """Logits after each request's last fed token: ``[len(feeds), vocab]`` float32."""
-        query_start_loc = [0]
-        positions: list[int] = []
-        for feed, start in zip(feeds, starts, strict=True):
-            query_start_loc.append(query_start_loc[-1] + len(feed))
-            positions += range(start, start + len(feed))
-        seq_lens = [s + len(f) for s, f in zip(starts, feeds, strict=True)]
+        plan = StepPlan.from_feeds(feeds, starts, tables)
         device = self.backend.device
-        meta = self.backend.attention.build_metadata(query_start_loc, seq_lens, tables,
-                                                     self.block_size, device)
-        packed = torch.tensor([[t for f in feeds for t in f], positions],
+        meta = plan.attention_metadata(self.block_size, device)
+        packed = torch.tensor([plan.input_ids, plan.positions],
                               dtype=torch.int64).to(device, non_blocking=True)  # [2, N]
         hidden = self.model(packed[0], packed[1], self.kv_caches, meta)  # [N, hidden]
-        last = torch.tensor(query_start_loc[1:], dtype=torch.int64) - 1  # [A]
+        last = torch.tensor(plan.logits_indices, dtype=torch.int64)  # [A]
         return self.model.compute_logits(hidden[last.to(device)])  # on the device
 
     def _sample(self, logits: torch.Tensor, inputs: list[DraftInput],

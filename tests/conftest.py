@@ -16,6 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every step's plan and attention metadata check their invariants (engine/step_plan.py);
+# read at import, so set before the engine is imported.
+os.environ.setdefault("QUICKDRAFT_CHECK_INVARIANTS", "1")
+
 from engine import loader
 
 

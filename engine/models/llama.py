@@ -19,9 +19,9 @@ from torch import nn
 
 from engine.gguf_quant import Q4Weight
 from engine.models.rope import RotaryEmbedding
-from kernels import cpu_fused, cpu_int4
+from kernels import cpu_fused, cpu_int4, torch_ops
+from kernels.attention_metadata import AttentionMetadata
 from kernels.cpu_int4 import Int4Weight
-from kernels.paged_attention_ref import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,8 @@ class LayerOps:
     silu_mul: Any  # (gate_up [rows, 2 * inter]) -> silu(gate) * up
 
 
-TORCH_OPS = LayerOps(cpu_fused.rms_norm_ref, cpu_fused.add_rms_norm_ref,
-                     cpu_fused.rope_neox_ref, cpu_fused.silu_mul_ref)
+TORCH_OPS = LayerOps(torch_ops.rms_norm, torch_ops.add_rms_norm,
+                     torch_ops.rope_neox, torch_ops.silu_mul)
 FUSED_CPU_OPS = LayerOps(cpu_fused.rms_norm, cpu_fused.add_rms_norm, cpu_fused.rope_neox_,
                          cpu_fused.silu_mul)
 

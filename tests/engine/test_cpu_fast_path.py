@@ -43,7 +43,8 @@ def test_fused_layer_ops_are_bit_equal_to_torch_ops_in_bf16():
 
     from engine.kv_cache import KVCacheManager
     from engine.models.llama import FUSED_CPU_OPS, TORCH_OPS, LlamaForCausalLM
-    from kernels import paged_attention_ref as ref
+    from kernels import torch_attention
+    from kernels.attention_metadata import build_metadata
     from tests.kernels import sum_order_oracle
 
     torch_ops = dataclasses.replace(
@@ -54,7 +55,7 @@ def test_fused_layer_ops_are_bit_equal_to_torch_ops_in_bf16():
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=128)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, torch.bfloat16, 128, ref)
+    model = LlamaForCausalLM(config, torch.bfloat16, 128, torch_attention)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
@@ -67,7 +68,7 @@ def test_fused_layer_ops_are_bit_equal_to_torch_ops_in_bf16():
         with torch.inference_mode():
             for start, n in [(0, 9), (9, 1), (10, 3)]:
                 kv.allocate_slots("s", start + n)
-                meta = ref.build_metadata([0, n], [start + n], [kv.block_table("s")], 4)
+                meta = build_metadata([0, n], [start + n], [kv.block_table("s")], 4)
                 ids = torch.arange(start, start + n) % 128
                 hidden = model(ids, torch.arange(start, start + n), caches, meta)
                 logits.append(model.compute_logits(hidden))
@@ -83,13 +84,12 @@ def test_bf16_batched_decode_uses_the_attention_kernel_not_its_slow_fallback(
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
-    from kernels import cpu_attention
+    from kernels import torch_attention
 
     def refuse(*args, **kwargs):
-        raise AssertionError("decode attention fell back to the torch reference")
+        raise AssertionError("bf16 attention fell back to the torch path")
 
-    monkeypatch.setattr(cpu_attention, "decode_attention_ref", refuse)
-    monkeypatch.setattr(cpu_attention, "ragged_attention_ref", refuse)
+    monkeypatch.setattr(torch_attention, "plan_attention", refuse)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16",
                                     speculation="off", num_kv_blocks=64), progress=False)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

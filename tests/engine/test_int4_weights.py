@@ -9,7 +9,7 @@ import torch
 
 from engine.config import ConfigError, EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import StepPlan
+from engine.step_plan import StepPlan
 from kernels import cpu_attention, cpu_int4
 
 pytestmark = [pytest.mark.slow,

@@ -17,7 +17,8 @@ from transformers import (
 from engine.kv_cache import KVCacheManager
 from engine.models.llama import LlamaForCausalLM as OurModel
 from engine.models.rope import compute_inv_freq
-from kernels import paged_attention_ref as ref
+from kernels import torch_attention
+from kernels.attention_metadata import build_metadata
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               max_position_embeddings=256)
@@ -44,7 +45,7 @@ class Harness:
     """Our model over a paged cache, fed step by step like the engine does."""
 
     def __init__(self, hf_model: torch.nn.Module, block_size: int) -> None:
-        self.model = OurModel(hf_model.config, torch.float32, 256, ref)
+        self.model = OurModel(hf_model.config, torch.float32, 256, torch_attention)
         self.model.load_weights(hf_model.state_dict().items())
         s = self.model.shape
         self.kv = KVCacheManager(num_blocks=64, block_size=block_size)
@@ -66,7 +67,7 @@ class Harness:
             qsl.append(qsl[-1] + len(tokens))
             seq_lens.append(start + len(tokens))
             tables.append(self.kv.block_table(seq))
-        meta = ref.build_metadata(qsl, seq_lens, tables, self.block_size)
+        meta = build_metadata(qsl, seq_lens, tables, self.block_size)
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.caches, meta)
         logits = self.model.compute_logits(hidden)
         return {seq: logits[qsl[i]:qsl[i + 1]] for i, seq in enumerate(chunks)}

@@ -1,6 +1,6 @@
-"""kernels.cpu_attention: decode attention over a paged bf16 KV cache (one C call per batch)
-against ``decode_attention_ref`` (fp32 from the same bf16 inputs) and, on one case, the
-engine's reference ``paged_attention_ref.naive_attention``."""
+"""kernels.cpu_attention: attention over a paged bf16 KV cache (one C call per batch)
+against the oracle of ``tests/kernels/attention_oracle.py`` (fp32 from the same bf16
+inputs), with the KV written by the torch backend's ``write_kv`` on some cases."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import cpu_attention, paged_attention_ref
+from kernels import cpu_attention, torch_attention
+from kernels.attention_metadata import build_metadata
+from tests.kernels import attention_oracle as oracle
 
 needs_kernel = pytest.mark.skipif(
     shutil.which("gcc") is None or not cpu_attention._cpu_supported(),
@@ -68,7 +70,7 @@ def test_matches_reference(num_seqs: int, block_size: int, heads: int, kv_heads:
                              seed=num_seqs * 1000 + block_size * 10 + dim + heads)
     scale = 1 / math.sqrt(dim)
     got = cpu_attention.decode_attention(q, kv, bt, sl, scale)
-    want = cpu_attention.decode_attention_ref(q, kv, bt, sl, scale)
+    want = oracle.decode_attention(q, kv, bt, sl, scale)
     assert got.dtype == BF16 and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), **TOL)
 
@@ -79,7 +81,7 @@ def test_lengths_around_chunk_and_block_edges(seq_len: int) -> None:
     q, kv, bt, sl, _ = _case(2, [seq_len, 5], 16, 8, 2, 64, seed=seq_len)
     got = cpu_attention.decode_attention(q, kv, bt, sl, 0.125)
     torch.testing.assert_close(got.float(),
-                               cpu_attention.decode_attention_ref(q, kv, bt, sl, 0.125).float(),
+                               oracle.decode_attention(q, kv, bt, sl, 0.125).float(),
                                **TOL)
 
 
@@ -88,7 +90,7 @@ def test_peaked_scores_and_threads() -> None:
     """Large scores (softmax near one-hot, max found late) and the OpenMP path."""
     q, kv, bt, sl, _ = _case(8, [300, 1, 900, 257, 64, 33, 600, 2], 16, 9, 3, 64, seed=7)
     for scale in (0.125, 2.0):
-        want = cpu_attention.decode_attention_ref(q, kv, bt, sl, scale).float()
+        want = oracle.decode_attention(q, kv, bt, sl, scale).float()
         for threads in (1, 2):
             old = torch.get_num_threads()
             torch.set_num_threads(threads)
@@ -105,30 +107,24 @@ def test_agrees_with_naive_attention() -> None:
     block_size, heads, kv_heads, dim = 16, 9, 3, 64
     lens = [1, 16, 517]
     q, kv, _, sl, tables = _case(3, lens, block_size, heads, kv_heads, dim, seed=11)
-    meta = paged_attention_ref.build_metadata(list(range(4)), lens, tables, block_size)
+    meta = build_metadata(list(range(4)), lens, tables, block_size)
     g = torch.Generator().manual_seed(12)
     new_k = torch.randn(3, kv_heads, dim, generator=g).to(BF16)
     new_v = torch.randn(3, kv_heads, dim, generator=g).to(BF16)
-    paged_attention_ref.write_kv(new_k, new_v, kv, meta.slot_mapping)
+    torch_attention.write_kv(new_k, new_v, kv, meta.slot_mapping)
     scale = dim ** -0.5
-    want = paged_attention_ref.naive_attention(q, kv, meta, scale)
+    want = oracle.naive_attention(q, kv, meta, scale)
     got = cpu_attention.decode_attention(q, kv, meta.block_tables, sl, scale)
     torch.testing.assert_close(got.float(), want.float(), **TOL)
 
 
-def test_reference_matches_naive_attention() -> None:
-    q, kv, bt, sl, tables = _case(3, [5, 1, 40], 5, 4, 2, 64, seed=3)
-    meta = paged_attention_ref.build_metadata(list(range(4)), [5, 1, 40], tables, 5)
-    want = paged_attention_ref.naive_attention(q, kv, meta, 0.1)
-    got = cpu_attention.decode_attention_ref(q, kv, bt, sl, 0.1)
-    torch.testing.assert_close(got.float(), want.float(), **TOL)
-
-
 @pytest.mark.parametrize("variant", ["float32", "strided_query", "int64_tables", "dim_12"])
-def test_fallbacks(variant: str) -> None:
-    """Inputs the kernel does not take run the reference (same results)."""
+def test_declined_inputs_run_the_torch_path(variant: str) -> None:
+    """Inputs the kernel does not take: the kernel returns None, and the torch backend's
+    paged_attention (which tries the kernel first) gives the oracle's result."""
     dim = 12 if variant == "dim_12" else 64
-    q, kv, bt, sl, _ = _case(3, [4, 20, 9], 4, 4, 2, dim, seed=5)
+    lens = [4, 20, 9]
+    q, kv, bt, sl, tables = _case(3, lens, 4, 4, 2, dim, seed=5)
     if variant == "float32":
         q, kv = q.float(), kv.float()
     elif variant == "strided_query":
@@ -136,19 +132,20 @@ def test_fallbacks(variant: str) -> None:
         assert not q.is_contiguous()
     elif variant == "int64_tables":
         bt, sl = bt.long(), sl.long()
-    got = cpu_attention.decode_attention(q, kv, bt, sl, 0.2)
-    want = cpu_attention.decode_attention_ref(q, kv, bt, sl, 0.2)
+    assert cpu_attention.decode_attention(q, kv, bt, sl, 0.2) is None
+    meta = build_metadata(list(range(4)), lens, tables, 4)
+    got = torch_attention.paged_attention(q, kv, meta, 0.2)
+    want = oracle.decode_attention(q, kv, bt, sl, 0.2)
     assert got.dtype == q.dtype
     torch.testing.assert_close(got.float(), want.float(), **TOL)
 
 
 @needs_kernel
-def test_bad_block_id_falls_back_to_reference() -> None:
-    """The C side rejects out-of-range block ids; the reference then raises."""
+def test_bad_block_id_is_declined() -> None:
+    """The C side rejects out-of-range block ids: nothing computed."""
     q, kv, bt, sl, _ = _case(2, [20, 3], 16, 4, 4, 64, seed=9)
     bt[0, 1] = kv.shape[1] + 5
-    with pytest.raises(IndexError):
-        cpu_attention.decode_attention(q, kv, bt, sl, 0.125)
+    assert cpu_attention.decode_attention(q, kv, bt, sl, 0.125) is None
 
 
 @needs_kernel
@@ -160,7 +157,7 @@ def test_all_groupings_small() -> None:
         q, kv, bt, sl, _ = _case(2, [7, 12], 5, heads, kv_heads, 64, seed=heads * 10 + kv_heads)
         torch.testing.assert_close(
             cpu_attention.decode_attention(q, kv, bt, sl, 0.125).float(),
-            cpu_attention.decode_attention_ref(q, kv, bt, sl, 0.125).float(), **TOL)
+            oracle.decode_attention(q, kv, bt, sl, 0.125).float(), **TOL)
 
 
 # ------------------------------------------------------------------------------------------
@@ -198,7 +195,7 @@ def test_ragged_matches_reference(q_lens: list[int], ctx_extra: list[int], block
                                          seed=sum(lens) + block_size * 7 + heads + dim)
     scale = 1 / math.sqrt(dim)
     got = cpu_attention.ragged_attention(q, kv, bt, sl, qsl, scale)
-    want = cpu_attention.ragged_attention_ref(q, kv, bt, sl, qsl, scale)
+    want = oracle.ragged_attention(q, kv, bt, sl, qsl, scale)
     assert got.dtype == BF16 and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), **TOL)
 
@@ -210,13 +207,13 @@ def test_ragged_agrees_with_naive_attention_and_empty_sequences() -> None:
     q_lens, lens = [3, 0, 1, 6], [3, 20, 517, 40]
     q, kv, bt, sl, qsl, tables = _ragged_case(q_lens, lens, block_size, heads, kv_heads, dim,
                                               seed=21)
-    meta = paged_attention_ref.build_metadata(qsl.tolist(), lens, tables, block_size)
+    meta = build_metadata(qsl.tolist(), lens, tables, block_size)
     scale = dim ** -0.5
-    want = paged_attention_ref.naive_attention(q, kv, meta, scale)
+    want = oracle.naive_attention(q, kv, meta, scale)
     got = cpu_attention.ragged_attention(q, kv, bt, sl, qsl, scale)
     torch.testing.assert_close(got.float(), want.float(), **TOL)
     torch.testing.assert_close(
-        cpu_attention.ragged_attention_ref(q, kv, bt, sl, qsl, scale).float(), want.float(),
+        oracle.ragged_attention(q, kv, bt, sl, qsl, scale).float(), want.float(),
         **TOL)
 
 
@@ -282,8 +279,9 @@ def test_ragged_threads_do_not_change_bits() -> None:
 
 @pytest.mark.parametrize("variant", ["float32", "strided_query", "int64_qsl", "dim_12",
                                      "strided_qsl"])
-def test_ragged_fallbacks(variant: str) -> None:
-    """Inputs the kernel does not take run the reference (same results)."""
+def test_ragged_declines_inputs_it_does_not_take(variant: str) -> None:
+    """Inputs the kernel does not take: None, nothing computed (the torch backend's
+    fallback is tested above and in test_torch_attention)."""
     dim = 12 if variant == "dim_12" else 64
     q, kv, bt, sl, qsl, _ = _ragged_case([2, 1, 4], [4, 20, 9], 4, 4, 2, dim, seed=5)
     if variant == "float32":
@@ -296,18 +294,15 @@ def test_ragged_fallbacks(variant: str) -> None:
     elif variant == "strided_qsl":
         qsl = torch.stack([qsl, qsl], dim=1)[:, 0]
         assert not qsl.is_contiguous()
-    got = cpu_attention.ragged_attention(q, kv, bt, sl, qsl, 0.2)
-    want = cpu_attention.ragged_attention_ref(q, kv, bt, sl, qsl, 0.2)
-    assert got.dtype == q.dtype
-    torch.testing.assert_close(got.float(), want.float(), **TOL)
+    assert cpu_attention.ragged_attention(q, kv, bt, sl, qsl, 0.2) is None
 
 
 @needs_kernel
 @pytest.mark.parametrize("bad", ["q_len_over_ctx", "qsl_not_ending_at_tokens",
                                  "qsl_decreasing", "qsl_not_starting_at_0"])
-def test_ragged_bad_layout_is_rejected_by_the_kernel(bad: str, monkeypatch) -> None:
-    """The C side rejects an inconsistent query layout (the Python side then runs the
-    reference, spied on here)."""
+def test_ragged_bad_layout_is_rejected_by_the_kernel(bad: str) -> None:
+    """The C side rejects an inconsistent query layout: the call returns None (the torch
+    backend then runs its torch path)."""
     q, kv, bt, sl, qsl, _ = _ragged_case([2, 3], [10, 20], 4, 4, 2, 64, seed=8)
     if bad == "q_len_over_ctx":
         sl[0] = 1
@@ -318,15 +313,10 @@ def test_ragged_bad_layout_is_rejected_by_the_kernel(bad: str, monkeypatch) -> N
         qsl[2] = 5
     else:
         qsl[0] = 1
-    calls = []
-    monkeypatch.setattr(cpu_attention, "ragged_attention_ref",
-                        lambda *args: calls.append(args) or torch.zeros_like(q))
-    cpu_attention.ragged_attention(q, kv, bt, sl, qsl, 0.1)
-    assert len(calls) == 1
+    assert cpu_attention.ragged_attention(q, kv, bt, sl, qsl, 0.1) is None
     # the well-formed layout takes the kernel
     _, _, _, sl2, qsl2, _ = _ragged_case([2, 3], [10, 20], 4, 4, 2, 64, seed=8)
-    cpu_attention.ragged_attention(q, kv, bt, sl2, qsl2, 0.1)
-    assert len(calls) == 1
+    assert cpu_attention.ragged_attention(q, kv, bt, sl2, qsl2, 0.1) is not None
 
 
 @needs_kernel
@@ -346,11 +336,12 @@ def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(BF16)
     slots = torch.tensor([tables[s][p // block_size] * block_size
                           + p % block_size for s in range(3)
-                          for p in range(seq_lens[s] - q_lens[s], seq_lens[s])])
+                          for p in range(seq_lens[s] - q_lens[s], seq_lens[s])],
+                         dtype=torch.int32)
     qsl_t = torch.tensor(qsl, dtype=torch.int32)
     kv_ref = kv.clone()
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
-    paged_attention_ref.write_kv(k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim),
+    torch_attention.write_kv(k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim),
                                  kv_ref, slots)
     want = cpu_attention.ragged_attention(q.reshape(-1, heads, dim).contiguous(), kv_ref,
                                           block_tables, lens, qsl_t, 0.125)

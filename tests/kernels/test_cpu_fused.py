@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused
+from kernels import cpu_fused, torch_ops
 from tests.kernels import sum_order_oracle
 
 needs_kernel = pytest.mark.skipif(
@@ -79,7 +79,7 @@ def test_rms_norm_bit_exact_to_its_order_and_close_to_torch(rows: int, hidden: i
     for eps in (1e-5, 1e-6):
         y = cpu_fused.rms_norm(x, w, eps)
         _bits_equal(y, sum_order_oracle.rms_norm(x, w, eps)[0])
-        _within_two_ulps(y, cpu_fused.rms_norm_ref(x, w, eps))
+        _within_two_ulps(y, torch_ops.rms_norm(x, w, eps))
 
 
 @needs_kernel
@@ -92,7 +92,7 @@ def test_add_rms_norm_bit_exact_to_its_order_and_close_to_torch(rows: int, hidde
     w = _randn(hidden, g=g)
     y, r = cpu_fused.add_rms_norm(x, res, w, 1e-5)
     y_oracle, r_oracle = sum_order_oracle.rms_norm(x, w, 1e-5, residual=res)
-    y_ref, r_ref = cpu_fused.add_rms_norm_ref(x, res, w, 1e-5)
+    y_ref, r_ref = torch_ops.add_rms_norm(x, res, w, 1e-5)
     _bits_equal(r, r_ref)  # the add is the same on every CPU
     _bits_equal(r, r_oracle)
     _bits_equal(y, y_oracle)
@@ -184,11 +184,11 @@ def test_rms_norm_special_values():
     x[1, 3] = 3e38  # overflowing square
     x[2, 5] = float("nan")
     x[3, :] = 1e-30  # tiny: var << eps
-    _bits_equal(cpu_fused.rms_norm(x, w, 1e-6), cpu_fused.rms_norm_ref(x, w, 1e-6))
+    _bits_equal(cpu_fused.rms_norm(x, w, 1e-6), torch_ops.rms_norm(x, w, 1e-6))
     res = -x.clone()
     res[1, 3] = 3e38  # x + res overflows to inf
     y, r = cpu_fused.add_rms_norm(x, res, w, 1e-6)
-    y_ref, r_ref = cpu_fused.add_rms_norm_ref(x, res, w, 1e-6)
+    y_ref, r_ref = torch_ops.add_rms_norm(x, res, w, 1e-6)
     _bits_equal(r, r_ref)
     _bits_equal(y, y_ref)
 
@@ -215,7 +215,7 @@ def test_rope_strided_qk_view_bit_exact(rows: int, heads: int, kv_heads: int, d:
     cos, sin = _cos_sin(rows, d, g)
     qk = m[:, :q + kv].view(rows, heads + kv_heads, d)  # stride(0) = q + 2 kv
     assert rows == 1 or not qk.is_contiguous()
-    want = cpu_fused.rope_neox_ref(qk, cos, sin)
+    want = torch_ops.rope_neox(qk, cos, sin)
     v_before = m[:, q + kv:].clone()
     out = cpu_fused.rope_neox_(qk, cos, sin)
     assert out.data_ptr() == qk.data_ptr()  # in place
@@ -230,12 +230,12 @@ def test_rope_contiguous_and_random_tables(rows: int, d: int):
     g = _gen(6, rows, d)
     x = _randn(rows, 5, d, g=g, scale=3.0)
     cos, sin = _randn(rows, d, g=g), _randn(rows, d, g=g)  # arbitrary values, not a rotation
-    want = cpu_fused.rope_neox_ref(x, cos, sin)
+    want = torch_ops.rope_neox(x, cos, sin)
     cpu_fused.rope_neox_(x, cos, sin)
     _bits_equal(x, want)
     # cos/sin as the engine keeps them: [rows, 1, d]
     x2 = _randn(rows, 5, d, g=g)
-    want = cpu_fused.rope_neox_ref(x2, cos.unsqueeze(1), sin.unsqueeze(1))
+    want = torch_ops.rope_neox(x2, cos.unsqueeze(1), sin.unsqueeze(1))
     cpu_fused.rope_neox_(x2, cos.unsqueeze(1), sin.unsqueeze(1))
     _bits_equal(x2, want)
 
@@ -251,7 +251,7 @@ def test_silu_mul_bit_exact(rows: int, inter: int):
     gu = _randn(rows, 2 * inter, g=g, scale=4.0)
     y = cpu_fused.silu_mul(gu)
     assert y.shape == (rows, inter)
-    _bits_equal(y, cpu_fused.silu_mul_ref(gu))
+    _bits_equal(y, torch_ops.silu_mul(gu))
 
 
 @needs_kernel
@@ -263,7 +263,7 @@ def test_silu_mul_every_bf16_gate_value():
     g = gates[:n].view(-1, 100)
     for up in (torch.ones_like(g), _randn(*g.shape, g=_gen(9), scale=3.0)):
         gu = torch.cat([g, up], dim=1)
-        _bits_equal(cpu_fused.silu_mul(gu), cpu_fused.silu_mul_ref(gu))
+        _bits_equal(cpu_fused.silu_mul(gu), torch_ops.silu_mul(gu))
 
 
 @needs_kernel
@@ -296,12 +296,12 @@ def test_silu_mul_leading_dims_and_special_values():
     gu = _randn(2, 3, 2 * 64, g=g, scale=3.0)
     y = cpu_fused.silu_mul(gu)
     assert y.shape == (2, 3, 64)
-    _bits_equal(y, cpu_fused.silu_mul_ref(gu))
+    _bits_equal(y, torch_ops.silu_mul(gu))
     gu = torch.zeros(1, 64, dtype=BF16)
     gu[0, :8] = torch.tensor([float("nan"), float("inf"), float("-inf"), 3e38, -3e38, 90, -90,
                               0.0])
     gu[0, 32:40] = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, float("inf"), 0.0, float("nan")])
-    _bits_equal(cpu_fused.silu_mul(gu), cpu_fused.silu_mul_ref(gu))
+    _bits_equal(cpu_fused.silu_mul(gu), torch_ops.silu_mul(gu))
 
 
 # ------------------------------------------------------------------------- threads, fallbacks
@@ -336,22 +336,22 @@ def test_fallbacks_match_reference():
     # fp32 / fp16: the reference, same dtype out
     for dt in (torch.float32, torch.float16):
         assert torch.equal(cpu_fused.rms_norm(x.to(dt), w.to(dt), 1e-5),
-                           cpu_fused.rms_norm_ref(x.to(dt), w.to(dt), 1e-5))
+                           torch_ops.rms_norm(x.to(dt), w.to(dt), 1e-5))
         gu = _randn(3, 128, g=g).to(dt)
-        assert torch.equal(cpu_fused.silu_mul(gu), cpu_fused.silu_mul_ref(gu))
+        assert torch.equal(cpu_fused.silu_mul(gu), torch_ops.silu_mul(gu))
     # non-contiguous x
     xt = _randn(64, 3, g=g).t()
-    assert torch.equal(cpu_fused.rms_norm(xt, w, 1e-5), cpu_fused.rms_norm_ref(xt, w, 1e-5))
+    assert torch.equal(cpu_fused.rms_norm(xt, w, 1e-5), torch_ops.rms_norm(xt, w, 1e-5))
     ya, ra = cpu_fused.add_rms_norm(xt, res, w, 1e-5)
-    yb, rb = cpu_fused.add_rms_norm_ref(xt, res, w, 1e-5)
+    yb, rb = torch_ops.add_rms_norm(xt, res, w, 1e-5)
     assert torch.equal(ya, yb) and torch.equal(ra, rb)
     gut = _randn(128, 3, g=g).t()
-    assert torch.equal(cpu_fused.silu_mul(gut), cpu_fused.silu_mul_ref(gut))
+    assert torch.equal(cpu_fused.silu_mul(gut), torch_ops.silu_mul(gut))
     # rope on a view whose last dim is strided: computed by the reference, written in place
     base = _randn(2, 4, 16, 2, g=g)
     xs = base[..., 0]
     cos, sin = _randn(2, 16, g=g), _randn(2, 16, g=g)
-    want = cpu_fused.rope_neox_ref(xs, cos, sin)
+    want = torch_ops.rope_neox(xs, cos, sin)
     out = cpu_fused.rope_neox_(xs, cos, sin)
     assert out.data_ptr() == xs.data_ptr()
     assert torch.equal(xs, want)
@@ -362,15 +362,15 @@ def test_unavailable_falls_back(monkeypatch):
     assert not cpu_fused.available()
     g = _gen(14)
     x, res, w = _randn(2, 64, g=g), _randn(2, 64, g=g), _randn(64, g=g)
-    assert torch.equal(cpu_fused.rms_norm(x, w, 1e-5), cpu_fused.rms_norm_ref(x, w, 1e-5))
+    assert torch.equal(cpu_fused.rms_norm(x, w, 1e-5), torch_ops.rms_norm(x, w, 1e-5))
     y, r = cpu_fused.add_rms_norm(x, res, w, 1e-5)
-    y_ref, r_ref = cpu_fused.add_rms_norm_ref(x, res, w, 1e-5)
+    y_ref, r_ref = torch_ops.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(y, y_ref) and torch.equal(r, r_ref)
     gu = _randn(2, 128, g=g)
-    assert torch.equal(cpu_fused.silu_mul(gu), cpu_fused.silu_mul_ref(gu))
+    assert torch.equal(cpu_fused.silu_mul(gu), torch_ops.silu_mul(gu))
     qk = _randn(2, 3, 16, g=g)
     cos, sin = _cos_sin(2, 16, g)
-    want = cpu_fused.rope_neox_ref(qk, cos, sin)
+    want = torch_ops.rope_neox(qk, cos, sin)
     assert torch.equal(cpu_fused.rope_neox_(qk, cos, sin), want)
 
 
@@ -388,7 +388,7 @@ def test_build_failure_warns_and_falls_back(monkeypatch, tmp_path, caplog):
         assert sum("build failed" in r.getMessage() for r in caplog.records) == 1
         g = _gen(15)
         x, w = _randn(2, 64, g=g), _randn(64, g=g)
-        assert torch.equal(cpu_fused.rms_norm(x, w, 1e-5), cpu_fused.rms_norm_ref(x, w, 1e-5))
+        assert torch.equal(cpu_fused.rms_norm(x, w, 1e-5), torch_ops.rms_norm(x, w, 1e-5))
     finally:
         monkeypatch.undo()
         cpu_fused._lib.cache_clear()

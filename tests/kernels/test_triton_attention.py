@@ -1,4 +1,5 @@
-"""kernels.triton_attention against the plain-torch references of kernels.paged_attention_ref.
+"""kernels.triton_attention against the oracle (tests/kernels/attention_oracle.py) and the
+torch attention backend (kernels.torch_attention).
 
 Without a GPU this runs on CPU tensors through the Triton interpreter (tests/conftest.py sets
 ``TRITON_INTERPRET=1`` before triton is imported); skipped without triton. On a GPU
@@ -15,8 +16,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import paged_attention_ref as ref
+from kernels import torch_attention
 from kernels import triton_attention as ta
+from kernels.attention_metadata import build_metadata
+from tests.kernels.attention_oracle import naive_attention
 
 if ta.interpreting():
     DEVICE = "cpu"
@@ -45,13 +48,13 @@ def _step(q_lens, ctx_lens, block_size, heads, kv_heads, dim, dtype, seed=0):
     qsl = [0]
     for q in q_lens:
         qsl.append(qsl[-1] + q)
-    meta = ref.build_metadata(qsl, list(ctx_lens), tables, block_size)
+    meta = build_metadata(qsl, list(ctx_lens), tables, block_size, DEVICE)
     query = torch.randn(qsl[-1], heads, dim, generator=gen).to(dtype)
     return query.to(DEVICE), kv_cache.to(DEVICE), meta
 
 
 def _check(got, query, kv_cache, meta, scale):
-    want = ref.naive_attention(query.cpu(), kv_cache.cpu(), meta, scale)
+    want = naive_attention(query.cpu(), kv_cache.cpu(), meta, scale)
     assert got.shape == query.shape and got.dtype == query.dtype
     assert torch.isfinite(got).all()
     err = (got.cpu().float() - want.float()).abs().max().item()
@@ -174,7 +177,7 @@ def test_write_kv_matches_reference(dtype, block_size):
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(t, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(t, kv_heads, dim)
     want = cache.cpu().clone()
-    ref.write_kv(k.cpu(), v.cpu(), want, meta.slot_mapping)
+    torch_attention.write_kv(k.cpu(), v.cpu(), want, meta.slot_mapping.cpu())
     got = cache.clone()
     ta.write_kv(k, v, got, meta.slot_mapping)
     assert torch.equal(got.cpu(), want)
@@ -208,7 +211,7 @@ def test_plugs_in_as_the_model_backend():
                          head_dim=64, max_position_embeddings=256)
     torch.manual_seed(0)
     models = {}
-    for name, backend in (("torch", ref), ("triton", ta)):
+    for name, backend in (("torch", torch_attention), ("triton", ta)):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config, F32, 256, backend)
         for p in model.parameters():
@@ -218,7 +221,8 @@ def test_plugs_in_as_the_model_backend():
                                     triton_ops.rope_neox_, triton_ops.silu_mul)
     block_size, ctx_lens = 5, [12, 9]
     tables = [[0, 1, 2], [3, 4]]
-    meta = ref.build_metadata([0, 7, 8], ctx_lens, tables, block_size)  # q_lens 7 and 1
+    metas = {device: build_metadata([0, 7, 8], ctx_lens, tables, block_size, device)
+             for device in {"cpu", DEVICE}}  # q_lens 7 and 1
     ids = torch.randint(0, 97, (8,))
     positions = torch.tensor([5, 6, 7, 8, 9, 10, 11, 8])
     out = {}
@@ -230,5 +234,6 @@ def test_plugs_in_as_the_model_backend():
         caches = [torch.randn(2, 6, block_size, 2, 64, generator=gen).to(device)
                   for _ in range(2)]
         with torch.no_grad():
-            out[name] = model(ids.to(device), positions.to(device), caches, meta).cpu()
+            out[name] = model(ids.to(device), positions.to(device), caches,
+                              metas[device]).cpu()
     torch.testing.assert_close(out["triton"], out["torch"], atol=1e-5, rtol=1e-5)

@@ -19,8 +19,8 @@ pytestmark = [
 
 triton = pytest.importorskip("triton")
 
-from kernels import paged_attention_ref as ref  # noqa: E402
-from kernels import step_metadata  # noqa: E402
+from kernels.attention_metadata import build_metadata  # noqa: E402
+from tests.kernels.attention_oracle import naive_attention  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -51,10 +51,9 @@ def test_large_mixed_steps(block_size, heads, kv_heads, dim, splits):
     ctx = [rng.randint(q, 4000) for q in q_lens]
     query, kv_cache, qsl, ctx, tables = _random_step(q_lens, ctx, block_size, heads,
                                                      kv_heads, dim, BF16)
-    meta = step_metadata.build_metadata(qsl, ctx, tables, block_size, "cuda")
+    meta = build_metadata(qsl, ctx, tables, block_size, "cuda")
     got = ta.paged_attention(query, kv_cache, meta, dim**-0.5, num_splits=splits)
-    want = ref.naive_attention(query.cpu(), kv_cache.cpu(),
-                               ref.build_metadata(qsl, ctx, tables, block_size), dim**-0.5)
+    want = naive_attention(query.cpu(), kv_cache.cpu(), meta, dim**-0.5)
     assert torch.isfinite(got).all()
     assert (got.cpu().float() - want.float()).abs().max().item() <= 1.6e-2
 
@@ -63,7 +62,7 @@ def test_long_context_split_kv_at_batch_one():
     from kernels import triton_attention as ta
 
     query, kv_cache, qsl, ctx, tables = _random_step([1], [16000], 16, 32, 8, 128, BF16)
-    meta = step_metadata.build_metadata(qsl, ctx, tables, 16, "cuda")
+    meta = build_metadata(qsl, ctx, tables, 16, "cuda")
     assert ta.choose_num_splits(1, 8, 1, 16000) > 1
     split = ta.paged_attention(query, kv_cache, meta, 128**-0.5)
     whole = ta.paged_attention(query, kv_cache, meta, 128**-0.5, num_splits=1)
@@ -71,7 +70,7 @@ def test_long_context_split_kv_at_batch_one():
 
 
 def test_write_kv_and_small_ops_match_their_references():
-    from kernels import cpu_fused, triton_ops
+    from kernels import torch_attention, torch_ops, triton_ops
     from kernels import triton_attention as ta
 
     gen = torch.Generator().manual_seed(3)
@@ -79,18 +78,18 @@ def test_write_kv_and_small_ops_match_their_references():
     res = torch.randn(257, 4096, generator=gen).to(BF16).cuda()
     w = torch.randn(4096, generator=gen).to(BF16).cuda()
     y, r = triton_ops.add_rms_norm(x, res, w, 1e-5)
-    y_ref, r_ref = cpu_fused.add_rms_norm_ref(x, res, w, 1e-5)
+    y_ref, r_ref = torch_ops.add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(r, r_ref)
     assert (y.float() - y_ref.float()).abs().max().item() <= 0.05
     gate_up = torch.randn(257, 2 * 14336, generator=gen).to(BF16).cuda()
-    diff = triton_ops.silu_mul(gate_up).float() - cpu_fused.silu_mul_ref(gate_up).float()
+    diff = triton_ops.silu_mul(gate_up).float() - torch_ops.silu_mul(gate_up).float()
     assert diff.abs().max().item() <= 0.05
     cache = torch.zeros(2, 64, 16, 8, 128, dtype=BF16, device="cuda")
     k = torch.randn(40, 8, 128, generator=gen).to(BF16).cuda()
     v = torch.randn(40, 8, 128, generator=gen).to(BF16).cuda()
     slots = torch.randperm(64 * 16, generator=gen)[:40].cuda()
     want = cache.clone()
-    ref.write_kv(k, v, want, slots)
+    torch_attention.write_kv(k, v, want, slots)
     ta.write_kv(k, v, cache, slots.to(torch.int32))
     assert torch.equal(cache, want)
 
@@ -101,10 +100,10 @@ def test_verification_rows_equal_decode_rows():
     from kernels import triton_attention as ta
 
     query, kv_cache, qsl, ctx, tables = _random_step([5], [300], 16, 32, 8, 128, BF16)
-    meta = step_metadata.build_metadata(qsl, ctx, tables, 16, "cuda")
+    meta = build_metadata(qsl, ctx, tables, 16, "cuda")
     verify = ta.paged_attention(query, kv_cache, meta, 128**-0.5, num_splits=1, block_m=16)
     for i in range(5):  # row i decoded alone: context 296 + i
-        one = step_metadata.build_metadata([0, 1], [296 + i], tables, 16, "cuda")
+        one = build_metadata([0, 1], [296 + i], tables, 16, "cuda")
         alone = ta.paged_attention(query[i:i + 1], kv_cache, one, 128**-0.5, num_splits=1,
                                    block_m=16)
         diff = (alone.float() - verify[i:i + 1].float()).abs().max().item()

@@ -1,33 +1,35 @@
-"""Plain-torch reference for attention over a paged KV cache.
+"""The torch attention backend: attention over a paged KV cache in plain torch, or the C
+kernel for bf16 on a CPU.
 
-One call serves a whole step: every sequence brings its own number of new query tokens
+One call serves a whole step (:class:`kernels.attention_metadata.AttentionMetadata`, the
+layout and slot rule are there): every sequence brings its own number of new query tokens
 (a prefill chunk, one decode token, or k+1 verification tokens) and attends, causally within
 those new tokens, to everything cached before them plus themselves.
 
-Cache layout (one tensor per layer): ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]``
-where index 0 is K and 1 is V. A token at position ``p`` of a sequence lives in slot
-``block_table[p // block_size] * block_size + p % block_size``.
-
-The torch path serves fp32 (the HF-exact oracle) and other dtypes: its per-step work (which
-tokens attend to which slots, the masks) is planned once per step, on first use, in
-:func:`plan_attention` and reused by every layer; each layer then does one gather of K/V and
-one ``scaled_dot_product_attention`` per group of sequences. Every bf16 step on the CPU goes
-to the C kernel instead (``kernels.cpu_attention``, tested against its own torch reference;
-prefill, verification and decode rows alike), which computes each token exactly as a lone
-decode query: a token's result never depends on its batch, and that step never plans groups.
+Every bf16 step on the CPU goes to the C kernel (:mod:`kernels.cpu_attention`; prefill,
+verification and decode rows alike), which computes each token exactly as a lone decode
+query: a token's result never depends on its batch, and that step never plans groups. The
+torch path serves fp32 (the HF-exact oracle) and the rest: its per-step work (which tokens
+attend to which slots, the masks) is planned once per step, on first use, by
+:func:`plan_attention` on the host, and reused by every layer; each layer then does one
+gather of K/V and one ``scaled_dot_product_attention`` per group of sequences.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kernels import cpu_attention
+from kernels.attention_metadata import AttentionMetadata, slots_of
+
+__all__ = ["AttentionMetadata", "paged_attention", "plan_attention", "write_kv",
+           "write_kv_and_attend"]
 
 # Sequences with at most this many new tokens are padded into one batched group;
 # longer ones (prefill chunks) are attended one by one.
@@ -50,54 +52,10 @@ class AttentionGroup:
     max_q: int
 
 
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Everything attention needs for one step; built once by the model runner."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V is written
-    query_start_loc: tuple[int, ...]  # [num_seqs + 1] offsets of each sequence's new tokens
-    seq_lens: tuple[int, ...]  # [num_seqs] context length including the new tokens
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
-    block_size: int
-    seq_lens_t: torch.Tensor  # [num_seqs] int32, for kernels
-    query_start_loc_t: torch.Tensor  # [num_seqs + 1] int32, for kernels
-
-    @property
-    def num_tokens(self) -> int:
-        return self.query_start_loc[-1]
-
-    @cached_property
-    def groups(self) -> tuple[AttentionGroup, ...]:
-        """The torch path's plan, made on first use (the C kernel never needs it)."""
-        return plan_attention(list(self.query_start_loc), list(self.seq_lens),
-                              self.block_tables, self.block_size)
-
-    def to(self, device: torch.device | str) -> AttentionMetadata:
-        """The same metadata with every tensor on ``device`` (built on the host first)."""
-        def move(t: torch.Tensor | None) -> Any:
-            return None if t is None else t.to(device, non_blocking=True)
-
-        groups = tuple(replace(g, token_rows=move(g.token_rows), valid_rows=move(g.valid_rows),
-                               kv_slots=move(g.kv_slots), mask=move(g.mask))
-                       for g in self.groups)  # planned on the host, then moved
-        moved = replace(self, slot_mapping=move(self.slot_mapping),
-                        block_tables=move(self.block_tables), seq_lens_t=move(self.seq_lens_t),
-                        query_start_loc_t=move(self.query_start_loc_t))
-        moved.__dict__["groups"] = groups  # fills the cached property
-        return moved
-
-
-def slots_for(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    """Cache slots of positions ``[start, end)`` of one sequence."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
 def _context_slots(block_table: torch.Tensor, ctx: int, block_size: int) -> torch.Tensor:
-    """Slots of positions ``[0, ctx)`` given a ``[max_blocks]`` block table."""
-    n_blocks = -(-ctx // block_size)
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    slots = block_table[:n_blocks].to(torch.int64)[:, None] * block_size + offsets  # [n, bs]
-    return slots.reshape(-1)[:ctx]
+    """Slots of positions ``[0, ctx)`` given a host ``[max_blocks]`` int32 block table."""
+    slots = slots_of(block_table.numpy().astype(np.int64), np.arange(ctx), block_size)
+    return torch.from_numpy(slots)
 
 
 def _plan_single(seq: int, meta_args: tuple, block_tables: torch.Tensor) -> AttentionGroup:
@@ -143,11 +101,12 @@ def _plan_padded(seqs: list[int], meta_args: tuple, block_tables: torch.Tensor) 
                           False, b, max_q)
 
 
-def plan_attention(
-    query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int
-) -> tuple[AttentionGroup, ...]:
-    """Group the step's sequences: short queries padded together, long ones alone."""
-    args = (query_start_loc, seq_lens, block_size)
+def plan_attention(meta: AttentionMetadata) -> tuple[AttentionGroup, ...]:
+    """Group the step's sequences, on the host: short queries padded together, long ones
+    alone."""
+    query_start_loc, seq_lens = meta.host_query_start_loc(), meta.host_seq_lens()
+    block_tables = meta.host_block_tables()
+    args = (query_start_loc, seq_lens, meta.block_size)
     num_seqs = len(seq_lens)
     small = [s for s in range(num_seqs)
              if query_start_loc[s + 1] - query_start_loc[s] <= SMALL_QUERY_MAX]
@@ -159,47 +118,34 @@ def plan_attention(
     return tuple(groups)
 
 
-def build_metadata(
-    query_start_loc: list[int],
-    seq_lens: list[int],
-    block_table_lists: Sequence[Sequence[int]],
-    block_size: int,
-    device: torch.device | str | None = None,
-) -> AttentionMetadata:
-    """Metadata for one step from per-sequence block tables (read, never edited, here),
-    built on the host and moved to ``device`` when that is not the CPU."""
-    max_blocks = max(len(t) for t in block_table_lists)
-    block_tables = torch.zeros(len(block_table_lists), max_blocks, dtype=torch.int32)
-    for i, table in enumerate(block_table_lists):
-        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    slot_list: list[int] = []
-    for i, table in enumerate(block_table_lists):
-        q_len = query_start_loc[i + 1] - query_start_loc[i]
-        slot_list += slots_for(table, seq_lens[i] - q_len, seq_lens[i], block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slot_list, dtype=torch.int64),
-        query_start_loc=tuple(query_start_loc),
-        seq_lens=tuple(seq_lens),
-        block_tables=block_tables,
-        block_size=block_size,
-        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32),
-    )
-    if device is not None and torch.device(device).type != "cpu":
-        return meta.to(device)
-    return meta
+def _groups(meta: AttentionMetadata, device: torch.device) -> tuple[AttentionGroup, ...]:
+    """The step's plan: made on the first layer's call, kept in ``meta.plans`` (written
+    here only), on ``device``."""
+    groups = meta.plans.get("torch")
+    if groups is None:
+        def move(t: torch.Tensor | None) -> Any:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        groups = plan_attention(meta)
+        if device.type != "cpu":
+            groups = tuple(replace(g, token_rows=move(g.token_rows),
+                                   valid_rows=move(g.valid_rows), kv_slots=move(g.kv_slots),
+                                   mask=move(g.mask)) for g in groups)
+        meta.plans["torch"] = groups
+    return groups
 
 
 def write_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens]
+    slot_mapping: torch.Tensor,  # [num_tokens] int32, every slot real (eager steps)
 ) -> None:
-    """Scatter the new tokens' K/V into their cache slots."""
+    """Scatter the new tokens' K/V into their cache slots. The torch backend runs eager
+    steps only, whose slots are all real (-1, a CUDA graph's padding, is Triton's)."""
     flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, kv_heads, head_dim]
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    flat[0][slot_mapping] = key
+    flat[1][slot_mapping] = value
 
 
 def _group_queries(query: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -263,23 +209,24 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of each sequence's new tokens over its cached context (reference path)."""
-    if (query.dtype == torch.bfloat16 and query.device.type == "cpu"
-            and cpu_attention.available()):
+    """Attention of each sequence's new tokens over its cached context (their K/V written)."""
+    if query.dtype == torch.bfloat16 and query.device.type == "cpu":
         # Every bf16 row on CPU, prefill included: the kernel computes each (token, kv head)
         # like a lone decode query, so a token's result never depends on its batch or on how
         # its prompt was chunked (batch invariance), and it is also faster than the torch
         # path for prefill (236 tokens: 0.97 against 1.27 ms a layer on a 2-core EPYC with
-        # AVX512-BF16).
+        # AVX512-BF16). None: the kernel declined (not built, or shapes it does not take).
         # query is a strided view into the fused qkv output: the kernel wants it packed
-        return cpu_attention.ragged_attention(query.contiguous(), kv_cache, meta.block_tables,
-                                              meta.seq_lens_t, meta.query_start_loc_t, scale)
+        out = cpu_attention.ragged_attention(query.contiguous(), kv_cache, meta.block_tables,
+                                             meta.seq_lens, meta.query_start_loc, scale)
+        if out is not None:
+            return out
     kv_flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, kv_heads, head_dim]
-    if len(meta.groups) == 1 and meta.groups[0].token_rows is None:
-        group = meta.groups[0]
-        return _attend_fn(query.dtype, group)(query, kv_flat, group, scale)
+    groups = _groups(meta, query.device)
+    if len(groups) == 1 and groups[0].token_rows is None:
+        return _attend_fn(query.dtype, groups[0])(query, kv_flat, groups[0], scale)
     out = torch.empty_like(query)
-    for group in meta.groups:
+    for group in groups:
         result = _attend_fn(query.dtype, group)(query, kv_flat, group, scale)
         if group.token_rows is None:
             out[group.first_row : group.first_row + result.shape[0]] = result
@@ -303,28 +250,5 @@ def write_kv_and_attend(
     if qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu":
         return None
     return cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, kv_cache, meta.slot_mapping,
-                                             meta.block_tables, meta.seq_lens_t,
-                                             meta.query_start_loc_t, scale)
-
-
-def naive_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Slow, obviously-correct version (per sequence, per token) used by tests."""
-    out = torch.empty_like(query)
-    kv_flat = kv_cache.view(2, -1, *kv_cache.shape[3:]).float()
-    heads, kv_heads = query.shape[1], kv_cache.shape[3]
-    for s in range(len(meta.seq_lens)):
-        start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
-        ctx = meta.seq_lens[s]
-        slots = _context_slots(meta.block_tables[s], ctx, meta.block_size)
-        k = kv_flat[0][slots].repeat_interleave(heads // kv_heads, dim=1)  # [ctx, H, D]
-        v = kv_flat[1][slots].repeat_interleave(heads // kv_heads, dim=1)
-        for t in range(start, end):
-            visible = ctx - (end - t) + 1
-            scores = torch.einsum("hd,khd->hk", query[t].float(), k[:visible]) * scale
-            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), v[:visible]).to(out.dtype)
-    return out
+                                             meta.block_tables, meta.seq_lens,
+                                             meta.query_start_loc, scale)

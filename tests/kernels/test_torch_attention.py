@@ -1,11 +1,13 @@
-"""The batched torch attention path equals the naive per-token reference."""
+"""The torch attention backend equals the naive per-token oracle."""
 
 import random
 
 import pytest
 import torch
 
-from kernels.paged_attention_ref import build_metadata, naive_attention, paged_attention, write_kv
+from kernels.attention_metadata import build_metadata
+from kernels.torch_attention import paged_attention, write_kv
+from tests.kernels.attention_oracle import naive_attention
 
 
 def _random_step(q_lens, ctx_lens, block_size, heads=4, kv_heads=2, dim=8, seed=0):

@@ -1,0 +1,213 @@
+"""One step's attention metadata: the one type every attention backend consumes.
+
+Every backend (the CPU C kernels, the torch path, the Triton kernels, eagerly or inside a
+CUDA graph) reads the same four int32 arrays, packed in this order into one buffer so a step
+costs one host-to-device copy, the device tensors being views into it:
+
+* ``slot_mapping [num_tokens]``: the cache slot where each new token's K/V is written
+  (-1: write nothing). A token at position ``p`` of a sequence with block table ``t`` lives
+  in slot ``t[p // block_size] * block_size + p % block_size`` (:func:`slots_of`, the one
+  place this formula is written);
+* ``query_start_loc [num_seqs + 1]``: sequence ``s`` owns the step's rows
+  ``query_start_loc[s]:query_start_loc[s + 1]``, the last ``q_len`` positions of its
+  context, attending causally;
+* ``seq_lens [num_seqs]``: context length including the new tokens;
+* ``block_tables [num_seqs, max_blocks]``: padded with 0.
+
+Cache layout (one tensor per layer): ``kv_cache[2, num_blocks, block_size, num_kv_heads,
+head_dim]``, 0 = K, 1 = V.
+
+A :class:`MetadataLayout` fixes the sizes. For an eager step they are the step's own; for a
+CUDA graph they are the graph's bucket (``num_tokens`` and ``num_seqs`` padded up): the
+extra tokens belong to one *padding sequence* right after the real ones (its K/V writes are
+skipped through slot -1; its context is one position, in block 0, so all but its first
+query row see no key at all and give 0; its outputs are thrown away), and the sequences
+after it are empty. The Triton grid depends only on the layout, so a captured graph replays
+any step that fits its bucket.
+
+Invariants of a filled buffer (checked by :func:`fill_packed` on its inputs, and by
+:meth:`AttentionMetadata.check_invariants`): ``query_start_loc`` starts at 0, never
+decreases and ends at ``num_tokens``; ``q_len <= seq_len <= max_blocks * block_size``
+(except the padding sequence, whose rows all have slot -1); every slot is the formula above
+or -1.
+
+No triton import here: the engine builds metadata whether or not the kernels are compiled.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class MetadataLayout:
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int  # columns of the block table
+
+    @property
+    def size(self) -> int:
+        """int32 elements of the packed array."""
+        return self.num_tokens + 2 * self.num_seqs + 1 + self.num_seqs * self.max_blocks
+
+    def offsets(self) -> tuple[int, int, int, int]:
+        """Start of slot_mapping, query_start_loc, seq_lens, block_tables in the packed array."""
+        qsl = self.num_tokens
+        lens = qsl + self.num_seqs + 1
+        return 0, qsl, lens, lens + self.num_seqs
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs for one step. The tensors are views of one int32 buffer on
+    the backend's device; ``host`` is the packed step on the host they were copied from (the
+    same memory on a CPU). A CUDA graph's metadata is built once over its static buffers,
+    which are refilled before every replay: read ``host`` through the methods below, at
+    the time of use."""
+
+    layout: MetadataLayout
+    host: np.ndarray  # [layout.size] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int32, -1 = do not write
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    block_size: int
+    max_query_len: int  # an upper bound of the longest real query (picks the Triton tile)
+    max_seq_len: int  # an upper bound of the longest context (picks split-KV)
+    num_splits: int | None = None  # Triton split-KV; None: chosen per call from the shapes
+    # A backend's own per-step plan, made on first use by that backend alone (the torch
+    # path's SDPA groups): keyed by the backend's name.
+    plans: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.num_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return self.layout.num_seqs
+
+    def host_query_start_loc(self) -> list[int]:
+        _, qsl, lens, _ = self.layout.offsets()
+        return self.host[qsl:lens].tolist()
+
+    def host_seq_lens(self) -> list[int]:
+        _, _, lens, tables = self.layout.offsets()
+        return self.host[lens:tables].tolist()
+
+    def host_block_tables(self) -> torch.Tensor:  # [num_seqs, max_blocks] int32, on the host
+        tables = self.layout.offsets()[3]
+        view = self.host[tables:self.layout.size].reshape(self.num_seqs, self.layout.max_blocks)
+        return torch.from_numpy(view)
+
+    def host_slot_mapping(self) -> torch.Tensor:  # [num_tokens] int32, on the host
+        return torch.from_numpy(self.host[: self.num_tokens])
+
+    def check_invariants(self) -> None:
+        """Assert what the module docstring promises of the packed step (tests run it)."""
+        qsl, lens = self.host_query_start_loc(), self.host_seq_lens()
+        tables, slots = self.host_block_tables(), self.host_slot_mapping().tolist()
+        capacity = self.layout.max_blocks * self.block_size
+        assert qsl[0] == 0 and qsl[-1] == self.num_tokens, qsl
+        real_q_lens = [0]
+        for s in range(self.num_seqs):
+            q_len = qsl[s + 1] - qsl[s]
+            assert q_len >= 0 and lens[s] <= capacity, (s, q_len, lens[s], capacity)
+            if q_len and all(slot == -1 for slot in slots[qsl[s]:qsl[s + 1]]):
+                assert lens[s] == 1, (s, lens[s])  # a CUDA graph's padding sequence
+                continue
+            assert q_len <= lens[s], (s, q_len, lens[s])
+            real_q_lens.append(q_len)
+            positions = np.arange(lens[s] - q_len, lens[s])
+            want = slots_of(tables[s].numpy(), positions, self.block_size).tolist()
+            for row, slot in zip(range(qsl[s], qsl[s + 1]), want, strict=True):
+                assert slots[row] in (slot, -1), (row, slots[row], slot)
+        assert self.max_query_len >= max(real_q_lens)
+        assert self.max_seq_len >= max(lens, default=0)
+
+
+def slots_of(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slots of ``positions`` of a sequence whose block table is ``table``."""
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def fill_packed(out: np.ndarray, layout: MetadataLayout, query_start_loc: Sequence[int],
+                seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                block_size: int) -> None:
+    """Write one step into ``out`` (int32, ``layout.size``), padding as the module says.
+    Raises ValueError for a step that does not fit ``layout`` or breaks the invariants."""
+    num_seqs, num_tokens = len(seq_lens), query_start_loc[-1]
+    needed_seqs = num_seqs + (num_tokens < layout.num_tokens)  # + the padding sequence
+    if num_tokens > layout.num_tokens or needed_seqs > layout.num_seqs:
+        raise ValueError(f"{num_tokens} tokens / {num_seqs} sequences do not fit {layout}")
+    if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0:
+        raise ValueError(f"query_start_loc {list(query_start_loc)} for {num_seqs} sequences")
+    o_slots, o_qsl, o_lens, o_tables = layout.offsets()
+    slots = out[o_slots:o_qsl]
+    qsl = out[o_qsl:o_lens]
+    lens = out[o_lens:o_tables]
+    tables = out[o_tables:].reshape(layout.num_seqs, layout.max_blocks)
+    tables[:] = 0
+    for s, table in enumerate(block_tables):
+        start, end, ctx = query_start_loc[s], query_start_loc[s + 1], seq_lens[s]
+        if not 0 <= end - start <= ctx <= len(table) * block_size:
+            raise ValueError(f"sequence {s}: {end - start} new tokens, context {ctx}, "
+                             f"{len(table)} blocks of {block_size}")
+        if len(table) > layout.max_blocks:
+            raise ValueError(f"block table of {len(table)} blocks > {layout.max_blocks}")
+        row = np.asarray(table, dtype=np.int32)
+        tables[s, : len(row)] = row
+        positions = np.arange(ctx - (end - start), ctx)
+        slots[start:end] = slots_of(row, positions, block_size)
+    slots[num_tokens:] = -1
+    qsl[: num_seqs + 1] = query_start_loc
+    lens[:num_seqs] = seq_lens
+    pad = layout.num_tokens - num_tokens
+    if pad:  # the padding sequence: a context of one position (the cheapest valid one)
+        qsl[num_seqs + 1] = layout.num_tokens
+        lens[num_seqs] = 1
+        num_seqs += 1
+    qsl[num_seqs + 1:] = layout.num_tokens
+    lens[num_seqs:] = 0
+
+
+def unpack(buf: torch.Tensor, host: np.ndarray, layout: MetadataLayout, block_size: int,
+           max_query_len: int, max_seq_len: int,
+           num_splits: int | None = None) -> AttentionMetadata:
+    """Views of a packed int32 buffer (on any device) as metadata; ``host`` is its host
+    side (``buf``'s own memory on a CPU)."""
+    o_slots, o_qsl, o_lens, o_tables = layout.offsets()
+    return AttentionMetadata(
+        layout=layout,
+        host=host,
+        slot_mapping=buf[o_slots:o_qsl],
+        query_start_loc=buf[o_qsl:o_lens],
+        seq_lens=buf[o_lens:o_tables],
+        block_tables=buf[o_tables:layout.size].view(layout.num_seqs, layout.max_blocks),
+        block_size=block_size,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        num_splits=num_splits,
+    )
+
+
+def build_metadata(query_start_loc: Sequence[int], seq_lens: Sequence[int],
+                   block_tables: Sequence[Sequence[int]], block_size: int,
+                   device: torch.device | str | None = None) -> AttentionMetadata:
+    """An eager step's metadata, on ``device`` (default cpu), in one copy. Block tables are
+    read, never edited."""
+    layout = MetadataLayout(query_start_loc[-1], len(seq_lens),
+                            max((len(t) for t in block_tables), default=0) or 1)
+    packed = np.empty(layout.size, dtype=np.int32)
+    fill_packed(packed, layout, query_start_loc, seq_lens, block_tables, block_size)
+    buf = torch.from_numpy(packed)
+    if device is not None and torch.device(device).type != "cpu":
+        buf = buf.to(device, non_blocking=True)
+    max_query = max((b - a for a, b in itertools.pairwise(query_start_loc)), default=0)
+    return unpack(buf, packed, layout, block_size, max_query, max(seq_lens, default=0))
