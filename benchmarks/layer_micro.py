@@ -1,7 +1,8 @@
 """Micro-benchmark: one SmolLM2 decoder layer at batch 1 (int4 weights), eager with the fused
-C ops against the same layer captured by ``torch.compile`` (inductor, C++ wrapper, frozen
-weights), and the layer's four matmuls alone; the difference to the matmuls is the
-non-matmul time a step pays 30 times. Samples of the variants alternate; medians reported.
+C ops against the same layer in one native call (``kernels.cpu_layer``, what the engine
+runs), the layer captured by ``torch.compile`` (inductor, C++ wrapper, frozen weights), and
+the layer's four matmuls alone; the difference to the matmuls is the non-matmul time a step
+pays 30 times. Samples of the variants alternate; medians reported.
 
     python benchmarks/layer_micro.py [--samples 301] [--calls 20] [--no-compile]
 
@@ -29,7 +30,7 @@ from common import machine_info, machine_summary, per_call_us
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models.llama import TORCH_OPS
-from kernels import cpu_attention, cpu_int4
+from kernels import cpu_attention, cpu_int4, cpu_layer
 
 
 @torch.library.custom_op("quickdraft_bench::attention", mutates_args=())
@@ -77,8 +78,15 @@ def main() -> None:
     lin = [attn.qkv, attn.o, layer.mlp.gate_up, layer.mlp.down]
     ins = [torch.randn(1, m.weight.shape[1]).bfloat16() for m in lin]
 
+    native_weights = layer.native
+    layer.native = None  # "eager": the Python layer
+
     def eager() -> object:
         return layer.forward(x, res, cos_sin, kv, meta, model.ops)
+
+    def native() -> object:
+        return cpu_layer.decoder_layer(x, res, native_weights, cos_sin, kv, meta, attn.heads,
+                                       attn.kv_heads, layer.input_layernorm.eps, attn.scale)
 
     def matmuls() -> object:
         return [cpu_int4.linear(v, m.int4) for v, m in zip(ins, lin, strict=True)]
@@ -99,6 +107,8 @@ def main() -> None:
 
     variants: dict[str, Callable[[], object]] = {"eager (fused C ops)": eager,
                                                  "4 int4 matmuls only": matmuls}
+    if native_weights is not None:
+        variants["one native call (cpu_layer)"] = native
     if args.compile:
         import torch._inductor.config as inductor_config
 

@@ -9,6 +9,7 @@ lists); the decode/verification steps that fit a captured CUDA graph replay it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -97,7 +98,9 @@ class ModelRunner:
         self.graphs = self._make_graphs(max_model_len, capture)
         if self.graphs is not None:
             self.graphs.capture_all()
-        self.weights = weight_format.choose(self, model_dir, hf_config, config.weights)
+        choice = weight_format.choose(self, model_dir, hf_config, config.weights)
+        native = sum(layer.native is not None for layer in self.model.layers)
+        self.weights = dataclasses.replace(choice, native_layers=native)
         log.info("weights: %s", self.weights.describe())
 
     @property

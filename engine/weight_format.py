@@ -37,9 +37,11 @@ class WeightChoice:
     format: str  # "int4" | "dense"
     reason: str
     int4_layers: int = 0  # linear layers running on 4-bit weights
+    native_layers: int = 0  # decoder layers run in one native call each (kernels.cpu_layer)
 
     def describe(self) -> dict[str, Any]:
-        return {"format": self.format, "int4_layers": self.int4_layers, "reason": self.reason}
+        return {"format": self.format, "int4_layers": self.int4_layers,
+                "native_layers": self.native_layers, "reason": self.reason}
 
 
 def gguf_source(model_dir: Path | None) -> Path | None:

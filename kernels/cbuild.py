@@ -41,9 +41,11 @@ def cpu_has(flags: frozenset[str]) -> bool:
     return False
 
 
-def build(name: str, source: bytes, cflags: tuple[str, ...], cc: str) -> Path:
-    """Compile ``source`` into the cache (once per source + flags); the library's path."""
-    digest = hashlib.sha256(source + " ".join(cflags).encode()).hexdigest()[:16]
+def build(name: str, source: bytes, cflags: tuple[str, ...], cc: str, *, lang: str = "c",
+          ldflags: tuple[str, ...] = ("-lm",)) -> Path:
+    """Compile ``source`` (``lang``: ``c`` or ``c++``) into the cache (once per source and
+    flags); the library's path."""
+    digest = hashlib.sha256(source + " ".join((*cflags, *ldflags)).encode()).hexdigest()[:16]
     out_dir = cache_dir()
     target = out_dir / f"{name}-{digest}.so"
     if target.exists():
@@ -52,8 +54,8 @@ def build(name: str, source: bytes, cflags: tuple[str, ...], cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *cflags, "-o", tmp, "-x", "c", "-", "-lm"], input=source,
-                       check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *cflags, "-o", tmp, "-x", lang, "-", *ldflags], input=source,
+                       check=True, capture_output=True, timeout=300)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

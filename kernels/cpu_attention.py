@@ -36,7 +36,7 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -92,6 +92,16 @@ def available() -> bool:
         return _lib() is not None
     except Exception:
         return False
+
+
+def native_entry_points() -> dict[str, int] | None:
+    """For native callers (:mod:`kernels.cpu_layer`): the address of the KV write +
+    attention kernel (``qd_write_kv_attention_bf16``); None when not built."""
+    lib = _lib() if available() else None
+    if lib is None:
+        return None
+    fn: Any = lib.write_attend
+    return {"write_attend": ctypes.cast(fn, ctypes.c_void_p).value or 0}
 
 
 def _run(

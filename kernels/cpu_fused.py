@@ -30,7 +30,7 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -104,6 +104,20 @@ def available() -> bool:
         return _lib() is not None
     except Exception:
         return False
+
+
+def native_entry_points() -> dict[str, int] | None:
+    """For native callers (:mod:`kernels.cpu_layer`): the kernels' addresses, the SiLU
+    ``vec_block`` and the row count above which the ops use threads; None when not built."""
+    lib = _lib() if available() else None
+    if lib is None:
+        return None
+    def address(fn: Any) -> int:
+        return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+    return {"rms_norm": address(lib.rms_norm), "rope": address(lib.rope),
+            "silu_mul": address(lib.silu_mul), "vec_block": lib.vec_block,
+            "parallel_rows": _PAR_ROWS}
 
 
 # ----------------------------------------------------------------------------------------------

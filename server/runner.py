@@ -80,6 +80,9 @@ class GatewayServer(uvicorn.Server):
         lines = ""
         if weights is not None:
             lines += f"\n  weights          {weights.format} ({weights.reason})"
+            if weights.native_layers:
+                lines += (f"\n  decoder layers   {weights.native_layers} in one native call "
+                          "each (kernels/cpu_layer.cpp)")
         if threads is not None:
             t = threads.describe()
             lines += f"\n  CPU threads      {t['threads']} of {t['max_threads']}, {t['mode']}"

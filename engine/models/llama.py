@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.gguf_quant import Q4Weight
 from engine.models.rope import RotaryEmbedding
-from kernels import cpu_fused, cpu_int4, torch_ops
+from kernels import cpu_fused, cpu_int4, cpu_layer, torch_ops
 from kernels.attention_metadata import AttentionMetadata
 from kernels.cpu_int4 import Int4Weight
 
@@ -193,12 +193,36 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(shape, dtype, backend)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, dtype)
         self.mlp = MLP(shape, dtype)
+        # the layer's weights for kernels.cpu_layer when it runs this layer in one native
+        # call (bf16 int4 on the CPU); None: the Python layer below
+        self.native: list[torch.Tensor] | None = None
+
+    def bind_native(self, enabled: bool) -> None:
+        """Run this layer natively (:mod:`kernels.cpu_layer`) when ``enabled`` and all four
+        matrices multiply by int4 weights with no bias but qkv's; else the Python layer."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
+        self.native = None
+        if enabled and all(lin.use_int4 and lin.int4 is not None for lin in linears) \
+                and attn.o.bias is None and mlp.gate_up.bias is None and mlp.down.bias is None:
+            pairs = [(lin.int4.packed, lin.int4.scales_and_zeros) for lin in linears
+                     if lin.int4 is not None]
+            self.native = cpu_layer.layer_weights(
+                self.input_layernorm.weight, pairs[0], pairs[1],
+                self.post_attention_layernorm.weight, pairs[2], pairs[3], attn.qkv.bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                 meta: AttentionMetadata, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is the previous sub-layer's output, not yet added to ``residual`` (so each
         add fuses into the next norm); same sums in the same order as HF."""
+        if self.native is not None:
+            attn = self.self_attn
+            out = cpu_layer.decoder_layer(x, residual, self.native, cos_sin, kv_cache, meta,
+                                          attn.heads, attn.kv_heads, self.input_layernorm.eps,
+                                          attn.scale)
+            if out is not None:
+                return out
         # .forward(): nn.Module.__call__ costs ~3 us a call, ~1 ms a decode step in all (2-core
         # EPYC with AVX512-BF16)
         h, residual = self.input_layernorm.forward(x, residual, ops)
@@ -223,6 +247,7 @@ class LlamaForCausalLM(nn.Module):
                               weight=self.embed_tokens if shape.tie_word_embeddings else None)
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_positions, dtype)
         self.ops = TORCH_OPS
+        self.native_layers = True  # allow kernels.cpu_layer where it applies
 
     def forward(
         self,
@@ -249,6 +274,20 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.enable_cpu_fast_path(gemv)
+        self._bind_native_layers()
+
+    def use_native_layers(self, enabled: bool) -> None:
+        """Allow (default) or forbid whole layers in one native call (:mod:`kernels.cpu_layer`;
+        the results are bit-identical either way)."""
+        self.native_layers = enabled
+        self._bind_native_layers()
+
+    def _bind_native_layers(self) -> None:
+        enabled = (self.native_layers and self.ops is FUSED_CPU_OPS
+                   and self.embed_tokens.device.type == "cpu" and cpu_layer.available())
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.bind_native(enabled)
 
     def attach_int4_weights(self, weights: dict[str, Q4Weight]) -> int:
         """Give the layers 4-bit copies of their weights from ``weights`` (HF names, e.g. a
@@ -271,6 +310,7 @@ class LlamaForCausalLM(nn.Module):
                     count += 1
                 else:
                     linear.int4, linear.use_int4 = None, False
+        self._bind_native_layers()
         return count
 
     def use_int4(self, enabled: bool) -> None:
@@ -278,10 +318,12 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.use_int4 = enabled and module.int4 is not None
+        self._bind_native_layers()
 
     def use_layer_ops(self, ops: LayerOps) -> None:
         """Run the small per-layer ops with ``ops`` (e.g. the Triton kernels)."""
         self.ops = ops
+        self._bind_native_layers()
 
     @torch.no_grad()
     def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:

@@ -1,0 +1,116 @@
+"""One decoder layer of the CPU bf16 int4 path in one native call.
+
+At batch 1 a SmolLM2 layer spends ~125 µs in its four int4 matmuls and, called op by op
+from Python, ~65 µs more in the Python-level calls around them (two add+RMSNorms, RoPE, the
+KV write + attention, SiLU·up, torch's dispatch of the four matmuls, glue). ``cpu_layer.cpp``
+runs the same kernels on the same buffers in the same order from C++: the C kernels of
+:mod:`kernels.cpu_fused` and :mod:`kernels.cpu_attention` (their addresses handed over
+once) and ATen's CPU int4 matmul called directly. The result is bit-identical to the Python
+layer, which stays the path for everything else (dense weights, fp32, biases other than
+qkv's, other backends) and the fallback when this module is unavailable.
+
+It is built with g++ against the installed torch on first use into
+``$QUICKDRAFT_CACHE/kernels`` (about 7 s; keyed by source, flags and torch version) and
+loaded with ``torch.ops.load_library`` as the op ``torch.ops.quickdraft_cpu.decoder_layer``.
+Without g++, without the C kernels or on a failed build, :func:`available` is False (one
+warning) and the model keeps its Python layers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kernels import cbuild, cpu_attention, cpu_fused
+from kernels.attention_metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_layer.cpp")
+
+
+def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    root = Path(torch.__file__).parent
+    include, lib = root / "include", root / "lib"
+    cflags = ("-O2", "-std=c++20", "-shared", "-fPIC", "-w",
+              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+              f"-DQD_TORCH_VERSION=\"{torch.__version__}\"",
+              f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}")
+    ldflags = (f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}")
+    return cflags, ldflags
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> bool:
+    """Build (if needed), load and hand the C kernels over; False, with one warning, when
+    impossible."""
+    try:
+        fused, attention = cpu_fused.native_entry_points(), cpu_attention.native_entry_points()
+        if fused is None or attention is None:
+            log.warning("cpu_layer: the C kernels are not available; Python layers")
+            return False
+        gxx = shutil.which("g++")
+        if gxx is None:
+            log.warning("cpu_layer: g++ not found; Python layers")
+            return False
+        cflags, ldflags = _flags()
+        path = cbuild.build("cpu_layer", _SOURCE.read_bytes(), cflags, gxx, lang="c++",
+                            ldflags=ldflags)
+        torch.ops.load_library(str(path))
+        torch.ops.quickdraft_cpu.set_cpu_kernels(
+            fused["rms_norm"], fused["rope"], fused["silu_mul"], attention["write_attend"],
+            fused["vec_block"], fused["parallel_rows"])
+        return True
+    except subprocess.CalledProcessError as e:
+        log.warning("cpu_layer: build failed, Python layers:\n%s",
+                    e.stderr.decode(errors="replace")[-2000:])
+    except Exception as e:
+        log.warning("cpu_layer: unavailable (%s: %s); Python layers", type(e).__name__, e)
+    return False
+
+
+def available() -> bool:
+    """True when the op is built and loaded (``QUICKDRAFT_NATIVE_LAYER=0`` turns it off).
+    Never raises."""
+    if os.environ.get("QUICKDRAFT_NATIVE_LAYER", "1") == "0":
+        return False
+    return _load()
+
+
+def layer_weights(ln1: torch.Tensor, qkv: tuple[torch.Tensor, torch.Tensor],
+                  o: tuple[torch.Tensor, torch.Tensor], ln2: torch.Tensor,
+                  gate_up: tuple[torch.Tensor, torch.Tensor],
+                  down: tuple[torch.Tensor, torch.Tensor],
+                  qkv_bias: torch.Tensor | None) -> list[torch.Tensor]:
+    """The op's weight list: norms bf16 ``[hidden]``, each matrix as (packed, scales and
+    zeros) of :class:`kernels.cpu_int4.Int4Weight`, the optional qkv bias last."""
+    weights = [ln1, *qkv, *o, ln2, *gate_up, *down]
+    return weights if qkv_bias is None else [*weights, qkv_bias]
+
+
+def decoder_layer(x: torch.Tensor,  # [T, hidden] bf16: the previous sub-layer's output
+                  residual: torch.Tensor | None,  # [T, hidden] bf16; None on the first layer
+                  weights: list[torch.Tensor],  # from layer_weights
+                  cos_sin: tuple[torch.Tensor, torch.Tensor],  # [T, head_dim] each
+                  kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+                  meta: AttentionMetadata, heads: int, kv_heads: int, eps: float,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(mlp output, residual)`` of the layer, as the Python layer returns them; None when
+    the native side declines (a step the attention kernel rejects: nothing was written)."""
+    tensors = meta.plans.get("cpu_layer")
+    if tensors is None:  # once per step, shared by the layers
+        tensors = [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc]
+        meta.plans["cpu_layer"] = tensors
+    try:
+        out: tuple[torch.Tensor, torch.Tensor] = torch.ops.quickdraft_cpu.decoder_layer(
+            x, residual, weights, cos_sin[0], cos_sin[1], kv_cache, tensors, heads, kv_heads,
+            eps, scale)
+    except (RuntimeError, ValueError):
+        return None
+    return out
