@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-SPECULATION_METHODS = ("off", "ngram", "draft", "combined")
+SPECULATION_METHODS = ("off", "ngram", "suffix", "draft", "combined")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 WEIGHT_FORMATS = ("auto", "int4", "dense")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
@@ -47,7 +47,8 @@ class EngineConfig:
     # Capture decode/verification steps as CUDA graphs (only on CUDA with the triton backend).
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = 256  # largest captured step, in tokens (bucketed below it)
-    # off | ngram | draft | combined (draft and combined need draft_model). On by default:
+    # off | ngram | suffix | draft | combined (draft and combined need draft_model). On by
+    # default:
     # the adaptive policy turns drafts down wherever they would not pay for themselves.
     speculation: str = "ngram"
     num_speculative_tokens: int = 4  # most drafts verified per request per step

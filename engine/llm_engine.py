@@ -257,7 +257,7 @@ class LLMEngine:
 
     def _final_output(self, request: Request, text: str, new_tokens: list[int],
                       error: str | None = None) -> RequestOutput:
-        self.speculator.forget(request.request_id)
+        self.speculator.finish(request, learn=error is None and request.error is None)
         detok = self._detokenizers.pop(request.request_id, None)
         if detok is not None and request.status != RequestStatus.FINISHED_STOPPED:
             text += detok.finish()

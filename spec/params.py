@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from engine.sampling_params import InvalidParameterError
 
-SPEC_METHODS = ("off", "ngram", "draft", "combined")
+SPEC_METHODS = ("off", "ngram", "suffix", "draft", "combined")
 
 
 @dataclass(frozen=True)

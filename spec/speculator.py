@@ -18,6 +18,8 @@ from spec.ngram import NgramProposer
 from spec.params import SpeculationParams
 from spec.policy import AcceptanceTracker, SpeculationPolicy
 from spec.rejection_sampler import supports_speculation
+from spec.suffix import SuffixProposer
+from spec.suffix_tree import available as suffix_tree_available
 
 
 @dataclass
@@ -58,6 +60,8 @@ class Speculator:
         self.method = method
         self.max_k = max_k
         self.proposer = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
+        # suffix tries (per request, per tenant); None without gcc: "suffix" drafts n-grams
+        self.suffix = SuffixProposer() if suffix_tree_available() else None
         self.policy = policy
         self.kv = kv
         self.draft = draft
@@ -90,7 +94,13 @@ class Speculator:
     def _candidate(self, request: Request, k: int) -> _Candidate | None:
         method = self.method_of(request)
         rid = request.request_id
-        if method in ("ngram", "combined"):
+        if method == "suffix" and self.suffix is not None:
+            drafts = self.suffix.propose(request, k).tokens
+            if not drafts:
+                return None
+            tracker = self._trackers.setdefault((rid, "suffix"), AcceptanceTracker())
+            return _Candidate(request, drafts, len(drafts), tracker)
+        if method in ("ngram", "combined") or method == "suffix":
             drafts = self.proposer.propose(_context(request, self.proposer.max_context))[:k]
             if drafts:
                 tracker = self._trackers.setdefault((rid, "ngram"), AcceptanceTracker())
@@ -176,11 +186,19 @@ class Speculator:
             if pos < num_accepted:
                 s.accepted_per_position[pos] += 1
 
-    def forget(self, request_id: str) -> None:
-        for source in ("ngram", "draft"):
+    def finish(self, request: Request, learn: bool = True) -> None:
+        """The request is done: drop its state; with ``learn``, its output joins its
+        tenant's suffix partition (only requests that ran to a normal end)."""
+        request_id = request.request_id
+        for source in ("ngram", "suffix", "draft"):
             self._trackers.pop((request_id, source), None)
         self._verifying.pop(request_id, None)
         self._draft_progress.pop(request_id, None)
+        if self.suffix is not None:
+            if learn:
+                self.suffix.finish(request)
+            else:
+                self.suffix.forget(request_id)
 
 
 def _context(request: Request, limit: int) -> list[int]:

@@ -1,0 +1,322 @@
+/* A suffix trie of bounded depth over token sequences, with occurrence counts, for suffix
+ * decoding (SuffixDecoding, arXiv 2411.04975): every substring of length <= max_depth of the
+ * sequences added so far is a path from the root, and a node's count is how many times its
+ * substring occurs (in live sequences). Drafting finds the longest-scoring match of the
+ * context's suffix and follows the most frequent continuations.
+ *
+ * Semantics (tests/spec/suffix_tree_reference.py is the plain-Python oracle):
+ *   append(seq, tokens): for each appended token t, every suffix of the sequence ending at t
+ *     of length 1..max_depth gets its node's count incremented (created at count 1);
+ *   remove(seq): the counts the sequence added are taken back (nodes at count 0 are dead:
+ *     never drafted, reused by nothing; callers rebuild a tree that holds too many);
+ *   speculate(ctx, max_tokens, factor, min_prob): for each match length m = 1 ..
+ *     min(len(ctx), max_depth) whose pattern ctx[-m:] has a live node, draft greedily from it:
+ *     at each step take the live child with the highest count (ties: the smaller token id),
+ *     p *= count(child) / sum of live children's counts, stop when p < min_prob or after
+ *     min(max_tokens, floor(factor * m)) tokens; score = sum of the p of the drafted tokens.
+ *     The result is the draft of the highest score (ties: the longer match).
+ *
+ * Nodes live in growable arrays; a node's children form a singly linked list (first_child,
+ * next_sibling) and are found through one open-addressing hash table keyed by
+ * (parent, token). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int32_t* tokens;
+    int len, cap;
+    int alive;
+} Seq;
+
+typedef struct {
+    int max_depth;
+    /* nodes */
+    int32_t *token, *count, *depth, *first_child, *next_sibling;
+    int n_nodes, cap_nodes, live_nodes;
+    /* (parent << 32 | token) -> child, open addressing; EMPTY_KEY marks a free slot */
+    uint64_t* keys;
+    int32_t* vals;
+    size_t hcap, hused;
+    /* sequences, by id */
+    Seq* seqs;
+    int cap_seqs;
+    /* scratch: the active nodes (suffixes ending at the last token) of the sequence being
+     * walked, max_depth entries */
+    int32_t *active, *next_active;
+} Tree;
+
+#define EMPTY_KEY UINT64_MAX
+
+static uint64_t mix(uint64_t k) {
+    k ^= k >> 33;
+    k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33;
+    return k;
+}
+
+static int grow_nodes(Tree* t) {
+    int cap = t->cap_nodes ? 2 * t->cap_nodes : 1024;
+    int32_t** arrays[5] = {&t->token, &t->count, &t->depth, &t->first_child, &t->next_sibling};
+    for (int i = 0; i < 5; ++i) {
+        int32_t* p = (int32_t*)realloc(*arrays[i], (size_t)cap * sizeof(int32_t));
+        if (!p) return -1;
+        *arrays[i] = p;
+    }
+    t->cap_nodes = cap;
+    return 0;
+}
+
+static int hash_rehash(Tree* t, size_t cap) {
+    uint64_t* keys = (uint64_t*)malloc(cap * sizeof(uint64_t));
+    int32_t* vals = (int32_t*)malloc(cap * sizeof(int32_t));
+    if (!keys || !vals) {
+        free(keys);
+        free(vals);
+        return -1;
+    }
+    for (size_t i = 0; i < cap; ++i) keys[i] = EMPTY_KEY;
+    for (size_t i = 0; i < t->hcap; ++i) {
+        if (t->keys[i] == EMPTY_KEY) continue;
+        size_t j = mix(t->keys[i]) & (cap - 1);
+        while (keys[j] != EMPTY_KEY) j = (j + 1) & (cap - 1);
+        keys[j] = t->keys[i];
+        vals[j] = t->vals[i];
+    }
+    free(t->keys);
+    free(t->vals);
+    t->keys = keys;
+    t->vals = vals;
+    t->hcap = cap;
+    return 0;
+}
+
+static uint64_t key_of(int32_t parent, int32_t token) {
+    return ((uint64_t)(uint32_t)parent << 32) | (uint32_t)token;
+}
+
+static int32_t find_child(const Tree* t, int32_t parent, int32_t token) {
+    uint64_t key = key_of(parent, token);
+    size_t j = mix(key) & (t->hcap - 1);
+    while (t->keys[j] != EMPTY_KEY) {
+        if (t->keys[j] == key) return t->vals[j];
+        j = (j + 1) & (t->hcap - 1);
+    }
+    return -1;
+}
+
+/* The child of parent for token, created (count 0) if missing; -1 on no memory. */
+static int32_t child_or_new(Tree* t, int32_t parent, int32_t token) {
+    int32_t found = find_child(t, parent, token);
+    if (found >= 0) return found;
+    if (2 * (t->hused + 1) > t->hcap && hash_rehash(t, 2 * t->hcap) != 0) return -1;
+    if (t->n_nodes == t->cap_nodes && grow_nodes(t) != 0) return -1;
+    int32_t node = t->n_nodes++;
+    t->token[node] = token;
+    t->count[node] = 0;
+    t->depth[node] = t->depth[parent] + 1;
+    t->first_child[node] = -1;
+    t->next_sibling[node] = t->first_child[parent];
+    t->first_child[parent] = node;
+    uint64_t key = key_of(parent, token);
+    size_t j = mix(key) & (t->hcap - 1);
+    while (t->keys[j] != EMPTY_KEY) j = (j + 1) & (t->hcap - 1);
+    t->keys[j] = key;
+    t->vals[j] = node;
+    t->hused++;
+    return node;
+}
+
+void* qd_st_new(int max_depth) {
+    if (max_depth < 1 || max_depth > 1024) return NULL;
+    Tree* t = (Tree*)calloc(1, sizeof(Tree));
+    if (!t) return NULL;
+    t->max_depth = max_depth;
+    t->active = (int32_t*)malloc((size_t)max_depth * sizeof(int32_t));
+    t->next_active = (int32_t*)malloc((size_t)max_depth * sizeof(int32_t));
+    t->hcap = 1024;
+    t->keys = (uint64_t*)malloc(t->hcap * sizeof(uint64_t));
+    t->vals = (int32_t*)malloc(t->hcap * sizeof(int32_t));
+    if (!t->active || !t->next_active || !t->keys || !t->vals || grow_nodes(t) != 0) {
+        free(t->active);
+        free(t->next_active);
+        free(t->keys);
+        free(t->vals);
+        free(t);
+        return NULL;
+    }
+    for (size_t i = 0; i < t->hcap; ++i) t->keys[i] = EMPTY_KEY;
+    t->n_nodes = 1; /* the root */
+    t->token[0] = -1;
+    t->count[0] = 0;
+    t->depth[0] = 0;
+    t->first_child[0] = -1;
+    t->next_sibling[0] = -1;
+    return t;
+}
+
+void qd_st_free(void* handle) {
+    Tree* t = (Tree*)handle;
+    if (!t) return;
+    for (int i = 0; i < t->cap_seqs; ++i) free(t->seqs[i].tokens);
+    free(t->seqs);
+    free(t->token);
+    free(t->count);
+    free(t->depth);
+    free(t->first_child);
+    free(t->next_sibling);
+    free(t->keys);
+    free(t->vals);
+    free(t->active);
+    free(t->next_active);
+    free(t);
+}
+
+/* Walk the suffixes ending at each of tokens[from..len) of a sequence, adding delta to their
+ * nodes' counts (creating nodes when delta > 0). The active set for position from - 1 is
+ * rebuilt first from the max_depth tokens before it (counts untouched). */
+static int walk(Tree* t, const int32_t* tokens, int from, int len, int delta) {
+    int n_active = 0;
+    int start = from - t->max_depth + 1;
+    if (start < 0) start = 0;
+    for (int i = start; i < len; ++i) {
+        const int counting = i >= from;
+        int n_next = 0;
+        const int32_t tok = tokens[i];
+        /* depth 1, then one deeper than each active node, shallowest first */
+        const int32_t first = counting && delta > 0 ? child_or_new(t, 0, tok)
+                                                    : find_child(t, 0, tok);
+        if (first < 0) { /* no memory, or (remove / rebuild) a path that is not there */
+            if (counting) return -1;
+            n_active = 0;
+            continue;
+        }
+        t->next_active[n_next++] = first;
+        for (int a = 0; a < n_active; ++a) {
+            const int32_t node = t->active[a];
+            if (t->depth[node] >= t->max_depth) continue;
+            int32_t c = counting && delta > 0 ? child_or_new(t, node, tok)
+                                              : find_child(t, node, tok);
+            if (c < 0) {
+                if (counting) return -1;
+                continue;
+            }
+            t->next_active[n_next++] = c;
+        }
+        if (counting) {
+            for (int a = 0; a < n_next; ++a) {
+                const int32_t node = t->next_active[a];
+                if (t->count[node] == 0 && delta > 0) t->live_nodes++;
+                t->count[node] += delta;
+                if (t->count[node] == 0) t->live_nodes--;
+            }
+        }
+        memcpy(t->active, t->next_active, (size_t)n_next * sizeof(int32_t));
+        n_active = n_next;
+    }
+    return 0;
+}
+
+int qd_st_append(void* handle, int seq_id, const int32_t* tokens, int n) {
+    Tree* t = (Tree*)handle;
+    if (!t || seq_id < 0 || n < 0 || (n > 0 && !tokens)) return -1;
+    if (seq_id >= t->cap_seqs) {
+        int cap = t->cap_seqs ? t->cap_seqs : 16;
+        while (cap <= seq_id) cap *= 2;
+        Seq* seqs = (Seq*)realloc(t->seqs, (size_t)cap * sizeof(Seq));
+        if (!seqs) return -1;
+        memset(seqs + t->cap_seqs, 0, (size_t)(cap - t->cap_seqs) * sizeof(Seq));
+        t->seqs = seqs;
+        t->cap_seqs = cap;
+    }
+    Seq* s = &t->seqs[seq_id];
+    if (s->len + n > s->cap) {
+        int cap = s->cap ? s->cap : 64;
+        while (cap < s->len + n) cap *= 2;
+        int32_t* p = (int32_t*)realloc(s->tokens, (size_t)cap * sizeof(int32_t));
+        if (!p) return -1;
+        s->tokens = p;
+        s->cap = cap;
+    }
+    for (int i = 0; i < n; ++i)
+        if (tokens[i] < 0) return -1;
+    memcpy(s->tokens + s->len, tokens, (size_t)n * sizeof(int32_t));
+    const int from = s->len;
+    s->len += n;
+    s->alive = 1;
+    return walk(t, s->tokens, from, s->len, +1);
+}
+
+int qd_st_remove(void* handle, int seq_id) {
+    Tree* t = (Tree*)handle;
+    if (!t || seq_id < 0 || seq_id >= t->cap_seqs || !t->seqs[seq_id].alive) return -1;
+    Seq* s = &t->seqs[seq_id];
+    int rc = walk(t, s->tokens, 0, s->len, -1);
+    free(s->tokens);
+    memset(s, 0, sizeof(Seq));
+    return rc;
+}
+
+int qd_st_num_nodes(void* handle, int live) {
+    Tree* t = (Tree*)handle;
+    return t ? (live ? t->live_nodes : t->n_nodes - 1) : -1;
+}
+
+/* The greedy draft from node: returns its length, writes tokens and the score. */
+static int draft_from(const Tree* t, int32_t node, int budget, float min_prob, int32_t* out,
+                      float* score) {
+    float p = 1.0f, s = 0.0f;
+    int k = 0;
+    while (k < budget) {
+        int32_t best = -1;
+        long long total = 0;
+        for (int32_t c = t->first_child[node]; c >= 0; c = t->next_sibling[c]) {
+            if (t->count[c] <= 0) continue;
+            total += t->count[c];
+            if (best < 0 || t->count[c] > t->count[best]
+                || (t->count[c] == t->count[best] && t->token[c] < t->token[best]))
+                best = c;
+        }
+        if (best < 0) break;
+        const float q = p * (float)t->count[best] / (float)total;
+        if (q < min_prob) break;
+        out[k++] = t->token[best];
+        s += q;
+        p = q;
+        node = best;
+    }
+    *score = s;
+    return k;
+}
+
+int qd_st_speculate(void* handle, const int32_t* ctx, int n, int max_tokens, float factor,
+                    float min_prob, int32_t* out, float* out_score, int* out_match) {
+    const Tree* t = (const Tree*)handle;
+    if (!t || n < 0 || max_tokens < 0 || (n > 0 && !ctx) || !out || !out_score || !out_match)
+        return -1;
+    int32_t* buf = (int32_t*)malloc((size_t)(max_tokens > 0 ? max_tokens : 1) * sizeof(int32_t));
+    if (!buf) return -1;
+    int best_len = 0, best_match = 0;
+    float best_score = 0.0f;
+    const int longest = n < t->max_depth ? n : t->max_depth;
+    for (int m = 1; m <= longest; ++m) {
+        int32_t node = 0;
+        for (int i = n - m; i < n && node >= 0; ++i) node = find_child(t, node, ctx[i]);
+        if (node < 0 || t->count[node] <= 0) continue;
+        int budget = (int)(factor * (float)m);
+        if (budget > max_tokens) budget = max_tokens;
+        float score;
+        const int len = draft_from(t, node, budget, min_prob, buf, &score);
+        if (len > 0 && score >= best_score) { /* ties: the longer match (m grows) */
+            best_score = score;
+            best_len = len;
+            best_match = m;
+            memcpy(out, buf, (size_t)len * sizeof(int32_t));
+        }
+    }
+    free(buf);
+    *out_score = best_score;
+    *out_match = best_match;
+    return best_len;
+}

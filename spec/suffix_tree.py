@@ -1,0 +1,111 @@
+"""Suffix decoding's data structure: a bounded-depth suffix trie with occurrence counts.
+
+``suffix_tree.c`` holds the trie (its header comment states the semantics; the plain-Python
+oracle is ``tests/spec/suffix_tree_reference.py``). It is built with gcc on first use like
+the kernels (:mod:`kernels.cbuild`) and driven through ctypes: appending a token costs
+``O(max_depth)`` hash lookups, drafting ``O(max_depth^2 + max_tokens * children)``.
+Without gcc :func:`available` is False and the ``suffix`` method falls back to n-gram
+drafts (the engine says so at start-up).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kernels import cbuild
+
+_SOURCE = Path(__file__).with_name("suffix_tree.c")
+_CFLAGS = ("-O2", "-fPIC", "-shared")
+_I32P = ctypes.POINTER(ctypes.c_int32)
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    lib = cbuild.load("suffix_tree", _SOURCE, _CFLAGS, frozenset())
+    if lib is None:
+        return None
+    lib.qd_st_new.argtypes = [ctypes.c_int]
+    lib.qd_st_new.restype = ctypes.c_void_p
+    lib.qd_st_free.argtypes = [ctypes.c_void_p]
+    lib.qd_st_free.restype = None
+    lib.qd_st_append.argtypes = [ctypes.c_void_p, ctypes.c_int, _I32P, ctypes.c_int]
+    lib.qd_st_remove.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.qd_st_num_nodes.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.qd_st_speculate.argtypes = [ctypes.c_void_p, _I32P, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_float, ctypes.c_float, _I32P,
+                                    ctypes.POINTER(ctypes.c_float),
+                                    ctypes.POINTER(ctypes.c_int)]
+    for fn in (lib.qd_st_append, lib.qd_st_remove, lib.qd_st_num_nodes, lib.qd_st_speculate):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """True when the trie is built and loaded. Never raises."""
+    try:
+        return _lib() is not None
+    except Exception:
+        return False
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    score: float  # sum of the drafted tokens' path probabilities: expected accepted length
+    match_len: int  # length of the context suffix the draft continues
+
+
+def _i32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(tokens, dtype=np.int32)
+
+
+class SuffixTree:
+    """One trie; sequences are added by id, extended, and removed (counts taken back)."""
+
+    def __init__(self, max_depth: int = 32) -> None:
+        lib = _lib()
+        if lib is None:
+            raise RuntimeError("the suffix tree (spec/suffix_tree.c) could not be built")
+        self._lib = lib
+        self.max_depth = max_depth
+        self._handle = lib.qd_st_new(max_depth)
+        if not self._handle:
+            raise ValueError(f"max_depth must be in [1, 1024], got {max_depth}")
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.qd_st_free(handle)
+
+    def append(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> None:
+        arr = _i32(tokens)
+        if self._lib.qd_st_append(
+                self._handle, seq_id, arr.ctypes.data_as(_I32P), arr.size) != 0:
+            raise ValueError(f"append to sequence {seq_id} failed (negative token id or "
+                             "out of memory)")
+
+    def remove(self, seq_id: int) -> None:
+        if self._lib.qd_st_remove(self._handle, seq_id) != 0:
+            raise KeyError(seq_id)
+
+    def num_nodes(self, live: bool = True) -> int:
+        return int(self._lib.qd_st_num_nodes(self._handle, int(live)))
+
+    def speculate(self, context: Sequence[int] | np.ndarray, max_tokens: int,
+                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> Draft:
+        ctx = _i32(context[-self.max_depth:])
+        out = np.empty(max(max_tokens, 1), dtype=np.int32)
+        score, match = ctypes.c_float(), ctypes.c_int()
+        n = self._lib.qd_st_speculate(self._handle, ctx.ctypes.data_as(_I32P), ctx.size,
+                                      max_tokens, max_spec_factor, min_token_prob,
+                                      out.ctypes.data_as(_I32P), ctypes.byref(score),
+                                      ctypes.byref(match))
+        if n < 0:
+            raise RuntimeError("qd_st_speculate failed")
+        return Draft(out[:n].tolist(), float(score.value), int(match.value))

@@ -1,0 +1,66 @@
+"""Plain-Python oracle of spec/suffix_tree.c (the semantics in its header comment): a dict
+trie of substrings of length <= max_depth with occurrence counts. Test code only."""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+class ReferenceSuffixTree:
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.count: dict[tuple[int, ...], int] = {}  # substring -> occurrences
+        self.seqs: dict[int, list[int]] = {}
+
+    def _add(self, tokens: list[int], start: int, delta: int) -> None:
+        for end in range(start + 1, len(tokens) + 1):  # substrings ending at tokens[end - 1]
+            for length in range(1, min(self.max_depth, end) + 1):
+                key = tuple(tokens[end - length:end])
+                self.count[key] = self.count.get(key, 0) + delta
+
+    def append(self, seq_id: int, tokens: list[int]) -> None:
+        seq = self.seqs.setdefault(seq_id, [])
+        start = len(seq)
+        seq += tokens
+        self._add(seq, start, +1)
+
+    def remove(self, seq_id: int) -> None:
+        self._add(self.seqs.pop(seq_id), 0, -1)
+
+    def num_live_nodes(self) -> int:
+        return sum(1 for c in self.count.values() if c > 0)
+
+    def _children(self, key: tuple[int, ...]) -> dict[int, int]:
+        if len(key) >= self.max_depth:
+            return {}
+        return {k[-1]: c for k, c in self.count.items()
+                if len(k) == len(key) + 1 and k[:-1] == key and c > 0}
+
+    def speculate(self, ctx: list[int], max_tokens: int, factor: float,
+                  min_prob: float) -> tuple[list[int], float, int]:
+        ctx = ctx[-self.max_depth:]
+        best: tuple[list[int], F32, int] = ([], F32(0), 0)
+        for m in range(1, min(len(ctx), self.max_depth) + 1):
+            key = tuple(ctx[len(ctx) - m:])
+            if self.count.get(key, 0) <= 0:
+                continue
+            budget = min(max_tokens, int(F32(factor) * F32(m)))
+            p, s, draft = F32(1), F32(0), []
+            while len(draft) < budget:
+                children = self._children(key)
+                if not children:
+                    break
+                total = sum(children.values())
+                token = min(children, key=lambda t: (-children[t], t))
+                q = F32(F32(p * F32(children[token])) / F32(total))
+                if q < F32(min_prob):
+                    break
+                draft.append(token)
+                s = F32(s + q)
+                p = q
+                key = (*key, token)
+            if draft and s >= best[1]:
+                best = (draft, s, m)
+        return best[0], float(best[1]), best[2]

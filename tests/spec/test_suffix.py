@@ -1,0 +1,100 @@
+"""The suffix proposer: drafts from the request's own context and from its tenant's earlier
+responses, never from another tenant's; inside the engine, greedy output equals output
+without speculation and no KV block leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from spec import suffix_tree
+from spec.suffix import SuffixConfig, SuffixProposer
+from tests.spec.test_spec_engine import GREEDY, PROMPTS, make_engine, run_staggered
+
+pytestmark = pytest.mark.skipif(not suffix_tree.available(), reason="needs gcc")
+
+ANSWER = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61]
+
+
+def _request(rid: str, prompt: list[int], output: list[int], salt: str | None) -> Request:
+    r = Request(rid, list(prompt), SamplingParams(max_tokens=64), frozenset(), cache_salt=salt)
+    r.output_token_ids = list(output)
+    return r
+
+
+def _learn(proposer: SuffixProposer, salt: str | None) -> None:
+    proposer.finish(_request("earlier", [1, 2, 3], ANSWER, salt))
+
+
+def test_earlier_responses_are_drafted_for_the_same_tenant_only() -> None:
+    proposer = SuffixProposer(SuffixConfig(max_spec_factor=2.0))
+    _learn(proposer, "tenant-a")
+    # a new request, same tenant, that has started to re-emit the earlier answer
+    same = _request("same", [7, 8], ANSWER[:4], "tenant-a")
+    draft = proposer.propose(same, k=6)
+    assert draft.tokens == ANSWER[4:10] and draft.match_len == 4
+    # the same context under another tenant, or no tenant: nothing from tenant-a's answer
+    for salt in ("tenant-b", None):
+        other = _request(f"other-{salt}", [7, 8], ANSWER[:4], salt)
+        assert proposer.propose(other, k=6).tokens == []
+    assert proposer.stats() == {"requests": 3, "partitions": 1, "responses": 1}
+
+
+def test_the_request_drafts_from_its_own_context() -> None:
+    proposer = SuffixProposer()
+    # the prompt holds a passage the output starts to repeat
+    r = _request("r", [9, 20, 21, 22, 23, 24, 25, 9], [20, 21, 22], None)
+    assert proposer.propose(r, k=3).tokens == [23, 24, 25]
+    r.output_token_ids += [23, 24]  # the trie follows the request as it grows
+    assert proposer.propose(r, k=2).tokens == [25, 9]
+    proposer.forget("r")
+    assert proposer.stats()["requests"] == 0
+
+
+def test_partitions_are_bounded_lru() -> None:
+    proposer = SuffixProposer(SuffixConfig(max_responses=2, max_partitions=2))
+    for i in range(3):
+        proposer.finish(_request(f"a{i}", [1], [100 + i, 200 + i, 300 + i], "a"))
+    proposer.finish(_request("b", [1], [5, 6, 7], "b"))
+    proposer.finish(_request("c", [1], [5, 6, 7], "c"))  # evicts partition "a"
+    assert proposer.stats() == {"requests": 0, "partitions": 2, "responses": 2}
+    assert proposer.propose(_request("x", [1], [100], "a"), 2).tokens == []
+    # the oldest response of a partition goes first
+    proposer = SuffixProposer(SuffixConfig(max_responses=2, max_spec_factor=2.0))
+    for i in range(3):
+        proposer.finish(_request(f"a{i}", [1], [100 + i, 200 + i, 300 + i], "a"))
+    assert proposer.propose(_request("x", [1], [100], "a"), 2).tokens == []
+    assert proposer.propose(_request("y", [1], [102], "a"), 2).tokens == [202, 302]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    return make_engine(tiny_model_dir, "off"), make_engine(tiny_model_dir, "suffix")
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_greedy_batch1_equal_with_and_without_suffix(engines, index):
+    plain, spec = engines
+    want = plain.generate([PROMPTS[index]], GREEDY)[0].token_ids
+    free = spec.kv.num_free_blocks
+    assert spec.generate([PROMPTS[index]], GREEDY)[0].token_ids == want
+    assert spec.kv.num_free_blocks == free
+
+
+def test_greedy_staggered_batch_of_8_equal_and_answers_learnt(engines):
+    plain, spec = engines
+    want, _ = run_staggered(plain, PROMPTS, GREEDY)
+    free = spec.kv.num_free_blocks
+    first, usage1 = run_staggered(spec, PROMPTS, GREEDY)
+    second, usage2 = run_staggered(spec, PROMPTS, GREEDY)  # again, with the answers learnt
+    assert first == want and second == want
+    assert spec.kv.num_free_blocks == free
+    accepted1 = sum(u.num_accepted_tokens for u in usage1.values())
+    accepted2 = sum(u.num_accepted_tokens for u in usage2.values())
+    assert accepted2 >= accepted1 > 0
+    suffix = spec.speculator.suffix
+    assert suffix is not None
+    stats = suffix.stats()
+    assert stats["requests"] == 0  # every request's trie dropped at its end
+    assert stats["responses"] >= 2 * len(PROMPTS)  # both runs' answers learnt

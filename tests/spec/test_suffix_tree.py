@@ -1,0 +1,63 @@
+"""spec/suffix_tree.c against its plain-Python oracle, on random sequences with small
+vocabularies (many repeats), appended in chunks, some removed again."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from spec import suffix_tree
+from tests.spec.suffix_tree_reference import ReferenceSuffixTree
+
+pytestmark = pytest.mark.skipif(not suffix_tree.available(), reason="needs gcc")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("max_depth", [1, 3, 8])
+def test_matches_the_reference(seed: int, max_depth: int) -> None:
+    rng = random.Random(seed * 31 + max_depth)
+    vocab = rng.choice([3, 5, 12])
+    tree, ref = suffix_tree.SuffixTree(max_depth), ReferenceSuffixTree(max_depth)
+    alive: list[int] = []
+    for step in range(40):
+        action = rng.random()
+        if action < 0.15 and alive:
+            seq = alive.pop(rng.randrange(len(alive)))
+            tree.remove(seq)
+            ref.remove(seq)
+        else:
+            seq = rng.choice(alive) if alive and action < 0.6 else step
+            if seq not in alive:
+                alive.append(seq)
+            tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 9))]
+            tree.append(seq, tokens)
+            ref.append(seq, tokens)
+        assert tree.num_nodes(live=True) == ref.num_live_nodes()
+        ctx = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+        k, factor, min_prob = rng.randint(0, 6), rng.choice([0.5, 1.0, 2.0]), \
+            rng.choice([0.0, 0.1, 0.4])
+        got = tree.speculate(ctx, k, factor, min_prob)
+        want_tokens, want_score, want_match = ref.speculate(ctx, k, factor, min_prob)
+        assert (got.tokens, got.match_len) == (want_tokens, want_match), (ctx, k, factor)
+        assert got.score == pytest.approx(want_score, rel=1e-6)
+
+
+def test_drafts_the_most_frequent_continuation() -> None:
+    tree = suffix_tree.SuffixTree(8)
+    tree.append(0, [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4])
+    draft = tree.speculate([9, 1, 2, 3], max_tokens=3, max_spec_factor=1.0, min_token_prob=0.1)
+    assert draft.tokens[0] == 4 and draft.match_len >= 3
+    tree.remove(0)
+    assert tree.num_nodes(live=True) == 0
+    assert tree.speculate([1, 2, 3], 3).tokens == []
+
+
+def test_bad_input_is_refused() -> None:
+    tree = suffix_tree.SuffixTree(4)
+    with pytest.raises(ValueError):
+        tree.append(0, [1, -2])
+    with pytest.raises(KeyError):
+        tree.remove(7)
+    with pytest.raises(ValueError):
+        suffix_tree.SuffixTree(0)
