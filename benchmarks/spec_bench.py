@@ -26,6 +26,9 @@ Speculation statistics, summed over every request of a method's runs (from ``usa
   completion tokens - accepted (each step emits accepted + 1 tokens; the prefill step that
   samples the first token counts as a step that could not speculate).
 
+Every request runs under its own ``cache_salt`` (its own tenant): no method learns from, or
+reuses the prefix cache of, the benchmark's earlier requests.
+
 Greedy agreement: whether each request's tokens are identical with and without speculation
 (first repeat; bf16 verification of several tokens at once may legitimately round
 differently from one-token steps).
@@ -88,8 +91,11 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     usage: dict[str, Any] = {}
     start = time.perf_counter()
     for rid, ids in zip(rids, prompts, strict=True):
+        # every request its own tenant: the suffix method's global trie never replays an
+        # answer this benchmark produced before (repeats ask the same prompts again), and no
+        # method gets prefix-cache hits from earlier repeats
         engine.add_request(rid, sampling_params=params, prompt_token_ids=ids,
-                           speculation=SpeculationParams(method=method))
+                           speculation=SpeculationParams(method=method), cache_salt=rid)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.error:

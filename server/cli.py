@@ -40,6 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="draft model for speculation (same vocabulary as --model)")
     g.add_argument("--speculation", default=None, choices=list(SPECULATION_METHODS),
                    help="speculative decoding method (output is identical either way; "
+                   "suffix: suffix tries over the request and its tenant's earlier answers; "
                    "default: combined with a draft model, else ngram)")
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",

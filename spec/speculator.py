@@ -18,7 +18,7 @@ from spec.ngram import NgramProposer
 from spec.params import SpeculationParams
 from spec.policy import AcceptanceTracker, SpeculationPolicy
 from spec.rejection_sampler import supports_speculation
-from spec.suffix import SuffixProposer
+from spec.suffix import SuffixConfig, SuffixProposer
 from spec.suffix_tree import available as suffix_tree_available
 
 
@@ -61,7 +61,7 @@ class Speculator:
         self.max_k = max_k
         self.proposer = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
         # suffix tries (per request, per tenant); None without gcc: "suffix" drafts n-grams
-        self.suffix = SuffixProposer() if suffix_tree_available() else None
+        self.suffix = SuffixProposer(_suffix_config()) if suffix_tree_available() else None
         self.policy = policy
         self.kv = kv
         self.draft = draft
@@ -207,3 +207,15 @@ def _context(request: Request, limit: int) -> list[int]:
     if len(out) >= limit:
         return out[-limit:]
     return request.prompt_token_ids[-(limit - len(out)):] + out
+
+
+def _suffix_config() -> SuffixConfig:
+    """Defaults, or (benchmark tuning only) ``QUICKDRAFT_SUFFIX=factor,min_prob,min_match``."""
+    import os
+
+    raw = os.environ.get("QUICKDRAFT_SUFFIX")
+    if not raw:
+        return SuffixConfig()
+    factor, min_prob, min_match = raw.split(",")
+    return SuffixConfig(max_spec_factor=float(factor), min_token_prob=float(min_prob),
+                        min_match_len=int(min_match))

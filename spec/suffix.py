@@ -35,14 +35,17 @@ class SuffixConfig:
     max_depth: int = 32  # longest context suffix matched (and trie depth)
     max_spec_factor: float = 1.0  # draft at most this many tokens per matched token
     min_token_prob: float = 0.1  # stop drafting below this path probability
+    min_match_len: int = 1  # shortest context suffix drafted from
     max_responses: int = 256  # earlier outputs kept per tenant partition
     max_partitions: int = 64  # tenants kept
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_depth <= 1024:
             raise ValueError(f"max_depth must be in [1, 1024], got {self.max_depth}")
-        if self.max_spec_factor <= 0 or not 0 <= self.min_token_prob <= 1:
-            raise ValueError("max_spec_factor must be > 0 and min_token_prob in [0, 1]")
+        if self.max_spec_factor <= 0 or not 0 <= self.min_token_prob <= 1 \
+                or self.min_match_len < 1:
+            raise ValueError("max_spec_factor must be > 0, min_token_prob in [0, 1] and "
+                             "min_match_len >= 1")
         if self.max_responses < 1 or self.max_partitions < 1:
             raise ValueError("max_responses and max_partitions must be >= 1")
 
@@ -83,10 +86,12 @@ class SuffixProposer:
             state.tree.append(0, request.token_ids_slice(state.appended, n))
             state.appended = n
         context = request.token_ids_slice(max(n - c.max_depth, 0), n)
-        best = state.tree.speculate(context, k, c.max_spec_factor, c.min_token_prob)
+        best = state.tree.speculate(context, k, c.max_spec_factor, c.min_token_prob,
+                                    c.min_match_len)
         partition = self._partitions.get(request.cache_salt)
         if partition is not None:
-            other = partition.tree.speculate(context, k, c.max_spec_factor, c.min_token_prob)
+            other = partition.tree.speculate(context, k, c.max_spec_factor, c.min_token_prob,
+                                             c.min_match_len)
             if other.score > best.score:
                 best = other
         return best

@@ -9,8 +9,9 @@
  *     of length 1..max_depth gets its node's count incremented (created at count 1);
  *   remove(seq): the counts the sequence added are taken back (nodes at count 0 are dead:
  *     never drafted, reused by nothing; callers rebuild a tree that holds too many);
- *   speculate(ctx, max_tokens, factor, min_prob): for each match length m = 1 ..
- *     min(len(ctx), max_depth) whose pattern ctx[-m:] has a live node, draft greedily from it:
+ *   speculate(ctx, max_tokens, factor, min_prob, min_match): for each match length m =
+ *     max(min_match, 1) .. min(len(ctx), max_depth) whose pattern ctx[-m:] has a live node,
+ *     draft greedily from it:
  *     at each step take the live child with the highest count (ties: the smaller token id),
  *     p *= count(child) / sum of live children's counts, stop when p < min_prob or after
  *     min(max_tokens, floor(factor * m)) tokens; score = sum of the p of the drafted tokens.
@@ -291,7 +292,8 @@ static int draft_from(const Tree* t, int32_t node, int budget, float min_prob, i
 }
 
 int qd_st_speculate(void* handle, const int32_t* ctx, int n, int max_tokens, float factor,
-                    float min_prob, int32_t* out, float* out_score, int* out_match) {
+                    float min_prob, int min_match, int32_t* out, float* out_score,
+                    int* out_match) {
     const Tree* t = (const Tree*)handle;
     if (!t || n < 0 || max_tokens < 0 || (n > 0 && !ctx) || !out || !out_score || !out_match)
         return -1;
@@ -300,7 +302,7 @@ int qd_st_speculate(void* handle, const int32_t* ctx, int n, int max_tokens, flo
     int best_len = 0, best_match = 0;
     float best_score = 0.0f;
     const int longest = n < t->max_depth ? n : t->max_depth;
-    for (int m = 1; m <= longest; ++m) {
+    for (int m = min_match > 1 ? min_match : 1; m <= longest; ++m) {
         int32_t node = 0;
         for (int i = n - m; i < n && node >= 0; ++i) node = find_child(t, node, ctx[i]);
         if (node < 0 || t->count[node] <= 0) continue;

@@ -38,7 +38,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.qd_st_remove.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.qd_st_num_nodes.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.qd_st_speculate.argtypes = [ctypes.c_void_p, _I32P, ctypes.c_int, ctypes.c_int,
-                                    ctypes.c_float, ctypes.c_float, _I32P,
+                                    ctypes.c_float, ctypes.c_float, ctypes.c_int, _I32P,
                                     ctypes.POINTER(ctypes.c_float),
                                     ctypes.POINTER(ctypes.c_int)]
     for fn in (lib.qd_st_append, lib.qd_st_remove, lib.qd_st_num_nodes, lib.qd_st_speculate):
@@ -98,13 +98,14 @@ class SuffixTree:
         return int(self._lib.qd_st_num_nodes(self._handle, int(live)))
 
     def speculate(self, context: Sequence[int] | np.ndarray, max_tokens: int,
-                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1) -> Draft:
+                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                  min_match_len: int = 1) -> Draft:
         ctx = _i32(context[-self.max_depth:])
         out = np.empty(max(max_tokens, 1), dtype=np.int32)
         score, match = ctypes.c_float(), ctypes.c_int()
         n = self._lib.qd_st_speculate(self._handle, ctx.ctypes.data_as(_I32P), ctx.size,
                                       max_tokens, max_spec_factor, min_token_prob,
-                                      out.ctypes.data_as(_I32P), ctypes.byref(score),
+                                      min_match_len, out.ctypes.data_as(_I32P), ctypes.byref(score),
                                       ctypes.byref(match))
         if n < 0:
             raise RuntimeError("qd_st_speculate failed")

@@ -38,11 +38,11 @@ class ReferenceSuffixTree:
         return {k[-1]: c for k, c in self.count.items()
                 if len(k) == len(key) + 1 and k[:-1] == key and c > 0}
 
-    def speculate(self, ctx: list[int], max_tokens: int, factor: float,
-                  min_prob: float) -> tuple[list[int], float, int]:
+    def speculate(self, ctx: list[int], max_tokens: int, factor: float, min_prob: float,
+                  min_match: int = 1) -> tuple[list[int], float, int]:
         ctx = ctx[-self.max_depth:]
         best: tuple[list[int], F32, int] = ([], F32(0), 0)
-        for m in range(1, min(len(ctx), self.max_depth) + 1):
+        for m in range(max(min_match, 1), min(len(ctx), self.max_depth) + 1):
             key = tuple(ctx[len(ctx) - m:])
             if self.count.get(key, 0) <= 0:
                 continue

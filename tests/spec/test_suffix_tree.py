@@ -37,8 +37,9 @@ def test_matches_the_reference(seed: int, max_depth: int) -> None:
         ctx = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
         k, factor, min_prob = rng.randint(0, 6), rng.choice([0.5, 1.0, 2.0]), \
             rng.choice([0.0, 0.1, 0.4])
-        got = tree.speculate(ctx, k, factor, min_prob)
-        want_tokens, want_score, want_match = ref.speculate(ctx, k, factor, min_prob)
+        min_match = rng.choice([1, 1, 2, 3])
+        got = tree.speculate(ctx, k, factor, min_prob, min_match)
+        want_tokens, want_score, want_match = ref.speculate(ctx, k, factor, min_prob, min_match)
         assert (got.tokens, got.match_len) == (want_tokens, want_match), (ctx, k, factor)
         assert got.score == pytest.approx(want_score, rel=1e-6)
 
