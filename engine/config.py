@@ -48,9 +48,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = 256  # largest captured step, in tokens (bucketed below it)
     # off | ngram | suffix | draft | combined (draft and combined need draft_model). On by
-    # default:
-    # the adaptive policy turns drafts down wherever they would not pay for themselves.
-    speculation: str = "ngram"
+    # default (suffix; n-gram where its trie cannot be built): the adaptive policy turns
+    # drafts down wherever they would not pay for themselves.
+    speculation: str = "suffix"
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2
     ngram_max: int = 4

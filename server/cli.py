@@ -41,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculation", default=None, choices=list(SPECULATION_METHODS),
                    help="speculative decoding method (output is identical either way; "
                    "suffix: suffix tries over the request and its tenant's earlier answers; "
-                   "default: combined with a draft model, else ngram)")
+                   "default: combined with a draft model, else suffix)")
     g.add_argument("--num-speculative-tokens", type=int, default=4)
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full (no KV sharing between requests)")
@@ -70,7 +70,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def default_speculation(draft_model: str | None) -> str:
-    return "combined" if draft_model else "ngram"
+    return "combined" if draft_model else "suffix"
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -8,10 +8,15 @@ Two kinds of trie (:class:`spec.suffix_tree.SuffixTree`):
 * **global, partitioned by tenant**: the outputs of finished requests, one partition per
   ``cache_salt`` (``None`` is its own partition). A request only ever drafts from its own
   partition: drafts are verified, so another tenant's text could not be *emitted*, but how
-  fast a draft is accepted would leak it as a timing side channel. Each partition keeps its
-  latest ``max_responses`` outputs (LRU); the least recently used partitions beyond
-  ``max_partitions`` are dropped whole. A partition's trie is rebuilt from its live outputs
-  when removals leave more dead nodes than live ones.
+  fast a draft is accepted would leak it as a timing side channel. A partition keeps its
+  latest outputs up to ``max_partition_tokens`` (oldest dropped first); beyond
+  ``max_partitions`` tenants or ``max_total_tokens`` in all, the least recently used
+  partitions are dropped whole. A partition's trie is rebuilt from its live outputs when
+  removals leave more dead nodes than live ones.
+
+A seeded sampled request drafts from its own trie only: how many random draws verification
+consumes depends on the drafts, and its output must depend on its seed and prompt alone, not
+on what other requests answered before.
 
 A proposal queries both tries with the context's last ``max_depth`` tokens and keeps the
 draft with the higher score (the expected number of accepted tokens under the trie's
@@ -32,11 +37,17 @@ _EMPTY = Draft([], 0.0, 0)
 
 @dataclass(frozen=True)
 class SuffixConfig:
-    max_depth: int = 32  # longest context suffix matched (and trie depth)
-    max_spec_factor: float = 1.0  # draft at most this many tokens per matched token
-    min_token_prob: float = 0.1  # stop drafting below this path probability
-    min_match_len: int = 1  # shortest context suffix drafted from
-    max_responses: int = 256  # earlier outputs kept per tenant partition
+    # Defaults from a sweep on SmolLM2 (benchmarks/spec_bench.py, C=1; docs/benchmarks.md):
+    # on this CPU a verification row is not free, so weak 1-token matches are not drafted.
+    max_depth: int = 24  # longest context suffix matched (and trie depth)
+    max_spec_factor: float = 4.0  # draft at most this many tokens per matched token
+    min_token_prob: float = 0.2  # stop drafting below this path probability
+    min_match_len: int = 2  # shortest context suffix drafted from
+    max_context: int = 4096  # a request's trie starts at most this many tokens back
+    # Memory: a trie holds up to max_depth nodes a token (~40 bytes each), so outputs are
+    # bounded in tokens: per tenant partition and over all partitions (LRU tenants go first).
+    max_partition_tokens: int = 16384
+    max_total_tokens: int = 65536
     max_partitions: int = 64  # tenants kept
 
     def __post_init__(self) -> None:
@@ -46,8 +57,9 @@ class SuffixConfig:
                 or self.min_match_len < 1:
             raise ValueError("max_spec_factor must be > 0, min_token_prob in [0, 1] and "
                              "min_match_len >= 1")
-        if self.max_responses < 1 or self.max_partitions < 1:
-            raise ValueError("max_responses and max_partitions must be >= 1")
+        if min(self.max_context, self.max_partition_tokens, self.max_total_tokens,
+               self.max_partitions) < 1:
+            raise ValueError("max_context, the token budgets and max_partitions must be >= 1")
 
 
 @dataclass
@@ -57,6 +69,7 @@ class _Partition:
     tree: SuffixTree
     outputs: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)
     next_id: int = 0
+    tokens: int = 0  # sum of the outputs' lengths
 
 
 @dataclass
@@ -72,6 +85,7 @@ class SuffixProposer:
         self.config = config or SuffixConfig()
         self._requests: dict[str, _RequestTrie] = {}
         self._partitions: OrderedDict[str | None, _Partition] = OrderedDict()
+        self._total_tokens = 0  # over every partition
 
     def propose(self, request: Request, k: int) -> Draft:
         """Up to ``k`` draft tokens for ``request``'s next positions."""
@@ -82,6 +96,8 @@ class SuffixProposer:
         if state is None:
             state = self._requests[request.request_id] = _RequestTrie(SuffixTree(c.max_depth))
         n = request.num_tokens
+        if state.appended == 0:
+            state.appended = max(n - c.max_context, 0)
         if state.appended < n:
             state.tree.append(0, request.token_ids_slice(state.appended, n))
             state.appended = n
@@ -89,7 +105,10 @@ class SuffixProposer:
         best = state.tree.speculate(context, k, c.max_spec_factor, c.min_token_prob,
                                     c.min_match_len)
         partition = self._partitions.get(request.cache_salt)
-        if partition is not None:
+        params = request.sampling_params
+        if partition is not None and (params.greedy or params.seed is None):
+            # (a seeded sampled request drafts from its own context only: the random draws
+            # it consumes depend on its drafts, and its output must depend only on its seed)
             other = partition.tree.speculate(context, k, c.max_spec_factor, c.min_token_prob,
                                              c.min_match_len)
             if other.score > best.score:
@@ -103,21 +122,34 @@ class SuffixProposer:
         if not output:
             return
         key = request.cache_salt
+        c = self.config
+        output = output[-c.max_partition_tokens:]
         partition = self._partitions.get(key)
         if partition is None:
-            partition = self._partitions[key] = _Partition(SuffixTree(self.config.max_depth))
-            while len(self._partitions) > self.config.max_partitions:
-                self._partitions.popitem(last=False)
+            partition = self._partitions[key] = _Partition(SuffixTree(c.max_depth))
         self._partitions.move_to_end(key)
         seq = partition.next_id
         partition.next_id += 1
         partition.tree.append(seq, output)
         partition.outputs[seq] = output
-        while len(partition.outputs) > self.config.max_responses:
-            old, _ = partition.outputs.popitem(last=False)
-            partition.tree.remove(old)
+        partition.tokens += len(output)
+        self._total_tokens += len(output)
+        while partition.tokens > c.max_partition_tokens:
+            self._drop_oldest(partition)
+        while len(self._partitions) > c.max_partitions or self._total_tokens > c.max_total_tokens:
+            oldest = next(iter(self._partitions.values()))
+            if oldest is partition and len(self._partitions) == 1:
+                self._drop_oldest(partition)
+            else:
+                self._total_tokens -= self._partitions.popitem(last=False)[1].tokens
         if partition.tree.num_nodes(live=False) > 2 * max(partition.tree.num_nodes(), 1024):
             self._rebuild(partition)
+
+    def _drop_oldest(self, partition: _Partition) -> None:
+        old, tokens = partition.outputs.popitem(last=False)
+        partition.tree.remove(old)
+        partition.tokens -= len(tokens)
+        self._total_tokens -= len(tokens)
 
     def forget(self, request_id: str) -> None:
         """Drop a request's trie without learning from it (e.g. it failed)."""
@@ -131,4 +163,5 @@ class SuffixProposer:
 
     def stats(self) -> dict[str, int]:
         return {"requests": len(self._requests), "partitions": len(self._partitions),
-                "responses": sum(len(p.outputs) for p in self._partitions.values())}
+                "responses": sum(len(p.outputs) for p in self._partitions.values()),
+                "tokens": self._total_tokens}

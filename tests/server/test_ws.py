@@ -214,7 +214,9 @@ def test_lagging_client_never_blocks_the_engine(served):
         session(ws)
         slow_link(served, sock)
         say(ws, "Stream a lot.")
-        rid = respond(ws, max_output_tokens=200, temperature=0, ignore_eos=True)
+        # one token a step (no speculation): 200 deltas, enough to fill the small window
+        rid = respond(ws, max_output_tokens=200, temperature=0, ignore_eos=True,
+                      speculation="off")
         # Read nothing while the engine runs the whole answer: it must finish regardless.
         deadline = time.monotonic() + 60
         while served.gateway.admission.in_flight and time.monotonic() < deadline:

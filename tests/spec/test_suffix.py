@@ -28,7 +28,7 @@ def _learn(proposer: SuffixProposer, salt: str | None) -> None:
 
 
 def test_earlier_responses_are_drafted_for_the_same_tenant_only() -> None:
-    proposer = SuffixProposer(SuffixConfig(max_spec_factor=2.0))
+    proposer = SuffixProposer(SuffixConfig(max_spec_factor=2.0, min_match_len=1))
     _learn(proposer, "tenant-a")
     # a new request, same tenant, that has started to re-emit the earlier answer
     same = _request("same", [7, 8], ANSWER[:4], "tenant-a")
@@ -38,11 +38,23 @@ def test_earlier_responses_are_drafted_for_the_same_tenant_only() -> None:
     for salt in ("tenant-b", None):
         other = _request(f"other-{salt}", [7, 8], ANSWER[:4], salt)
         assert proposer.propose(other, k=6).tokens == []
-    assert proposer.stats() == {"requests": 3, "partitions": 1, "responses": 1}
+    assert proposer.stats() == {"requests": 3, "partitions": 1, "responses": 1,
+                                "tokens": len(ANSWER)}
+
+
+def test_a_seeded_sampled_request_drafts_from_its_own_context_only() -> None:
+    proposer = SuffixProposer(SuffixConfig(max_spec_factor=2.0, min_match_len=1))
+    _learn(proposer, "t")
+    seeded = _request("s", [7, 8], ANSWER[:4], "t")
+    seeded.sampling_params = SamplingParams(max_tokens=64, temperature=0.8, seed=3)
+    assert proposer.propose(seeded, k=6).tokens == []
+    unseeded = _request("u", [7, 8], ANSWER[:4], "t")
+    unseeded.sampling_params = SamplingParams(max_tokens=64, temperature=0.8)
+    assert proposer.propose(unseeded, k=6).tokens == ANSWER[4:10]
 
 
 def test_the_request_drafts_from_its_own_context() -> None:
-    proposer = SuffixProposer()
+    proposer = SuffixProposer(SuffixConfig(max_spec_factor=1.0, min_token_prob=0.1))
     # the prompt holds a passage the output starts to repeat
     r = _request("r", [9, 20, 21, 22, 23, 24, 25, 9], [20, 21, 22], None)
     assert proposer.propose(r, k=3).tokens == [23, 24, 25]
@@ -53,19 +65,23 @@ def test_the_request_drafts_from_its_own_context() -> None:
 
 
 def test_partitions_are_bounded_lru() -> None:
-    proposer = SuffixProposer(SuffixConfig(max_responses=2, max_partitions=2))
-    for i in range(3):
+    config = SuffixConfig(max_partition_tokens=6, max_partitions=2, max_spec_factor=2.0,
+                          min_match_len=1)
+    proposer = SuffixProposer(config)
+    for i in range(3):  # three 3-token outputs: the oldest goes (6-token budget)
         proposer.finish(_request(f"a{i}", [1], [100 + i, 200 + i, 300 + i], "a"))
-    proposer.finish(_request("b", [1], [5, 6, 7], "b"))
-    proposer.finish(_request("c", [1], [5, 6, 7], "c"))  # evicts partition "a"
-    assert proposer.stats() == {"requests": 0, "partitions": 2, "responses": 2}
-    assert proposer.propose(_request("x", [1], [100], "a"), 2).tokens == []
-    # the oldest response of a partition goes first
-    proposer = SuffixProposer(SuffixConfig(max_responses=2, max_spec_factor=2.0))
-    for i in range(3):
-        proposer.finish(_request(f"a{i}", [1], [100 + i, 200 + i, 300 + i], "a"))
+    assert proposer.stats() == {"requests": 0, "partitions": 1, "responses": 2, "tokens": 6}
     assert proposer.propose(_request("x", [1], [100], "a"), 2).tokens == []
     assert proposer.propose(_request("y", [1], [102], "a"), 2).tokens == [202, 302]
+    proposer.finish(_request("b", [1], [5, 6, 7], "b"))
+    proposer.finish(_request("c", [1], [5, 6, 7], "c"))  # a third tenant: "a" (LRU) goes
+    assert proposer.stats()["partitions"] == 2
+    assert proposer.propose(_request("z", [1], [102], "a"), 2).tokens == []
+    # the token budget over all partitions drops least recently used tenants too
+    proposer = SuffixProposer(SuffixConfig(max_total_tokens=7))
+    for salt in ("a", "b", "c"):
+        proposer.finish(_request(salt, [1], [1, 2, 3], salt))
+    assert proposer.stats() == {"requests": 0, "partitions": 2, "responses": 2, "tokens": 6}
 
 
 @pytest.fixture(scope="module")
