@@ -40,6 +40,7 @@ class _Add:
     priority: int
     speculation: SpeculationParams | None
     sink: Callable[[RequestOutput | BaseException], None]
+    cache_salt: str | None = None  # the tenant (prefix-cache and suffix-trie namespace)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         speculation: SpeculationParams | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas; leaving the loop early (break, cancel) aborts the request."""
         if self._error is not None or self._stopped.is_set():
@@ -90,7 +92,7 @@ class AsyncLLM:
 
         self._commands.put(_Add(rid, prompt, prompt_token_ids,
                                 sampling_params or SamplingParams(), priority, speculation,
-                                sink))
+                                sink, cache_salt))
         if self._stopped.is_set():  # stopped meanwhile: its final drain may have missed this add
             raise EngineDeadError(f"engine is not running: {self._error}")
         finished = False
@@ -174,7 +176,7 @@ class AsyncLLM:
             self.engine.add_request(
                 command.request_id, command.prompt, command.params,
                 prompt_token_ids=command.prompt_token_ids, priority=command.priority,
-                speculation=command.speculation)
+                speculation=command.speculation, cache_salt=command.cache_salt)
         except Exception as exc:  # invalid request: report to its caller only
             command.sink(exc)
             return

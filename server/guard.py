@@ -10,6 +10,7 @@ or for browser WebSockets the ``api_key`` query parameter or a subprotocol
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterable
 from urllib.parse import parse_qs, urlsplit
@@ -86,6 +87,19 @@ def origin_allowed(origin: str, host: str | None, scheme: str, extra: Iterable[s
     return page is not None and page == _host_port(server_scheme, host.lower())
 
 
+def tenant_of(key: str) -> str:
+    """The tenant an API key belongs to: a digest of the key (never the key itself). Requests
+    carry it as their ``cache_salt``, so tenants share neither prefix-cache blocks nor the
+    suffix proposer's earlier answers."""
+    return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def tenant(scope: Scope) -> str | None:
+    """The request's tenant, set by :class:`Guard` (None when the server has no keys)."""
+    state = scope.get("state")
+    return state.get("tenant") if isinstance(state, dict) else None
+
+
 class Guard:
     def __init__(self, app: ASGIApp, settings: ServerSettings) -> None:
         self.app = app
@@ -105,9 +119,13 @@ class Guard:
                                   status=403, type="permission_error")
             await _respond(error, scope, receive, send)
             return
-        if self._needs_key(scope) and not key_matches(presented_key(scope, headers), self._keys):
-            await self._refuse_key(scope, receive, send)
-            return
+        if self._needs_key(scope):
+            key = presented_key(scope, headers)
+            if not key_matches(key, self._keys):
+                await self._refuse_key(scope, receive, send)
+                return
+            assert key is not None
+            scope.setdefault("state", {})["tenant"] = tenant_of(key)
         await self.app(scope, receive, send)
 
     def _needs_key(self, scope: Scope) -> bool:

@@ -25,6 +25,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidParameterError
 from server.errors import ProtocolError, engine_failed, invalid, unsupported, wrong_type
 from server.gateway import Gateway
+from server.guard import tenant
 from server.limits import Slot
 from server.openai_format import DONE, CompletionFormat, sse
 from server.params import (
@@ -237,7 +238,7 @@ async def run(request: Request, gw: Gateway, llm: AsyncLLM, ids: list[int], opts
     gw.http_requests.add(rid)
     stream = cast(AsyncGenerator[RequestOutput, None], llm.generate(
         prompt_token_ids=ids, sampling_params=params, request_id=rid, priority=opts.priority,
-        speculation=opts.speculation))  # an async generator: aclose() aborts it
+        speculation=opts.speculation, cache_salt=tenant(request.scope)))  # aclose() aborts it
 
     def observe(out: RequestOutput) -> None:
         gw.metrics.observe(out.usage, out.finish_reason, time.monotonic() - start)

@@ -26,7 +26,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import InvalidParameterError
 from server.errors import ProtocolError, engine_failed, invalid
 from server.gateway import Gateway
-from server.guard import select_subprotocol
+from server.guard import select_subprotocol, tenant
 from server.params import fit_max_tokens
 from server.protocol import Command, Session, StartResponse, new_id
 
@@ -151,7 +151,8 @@ class Connection:
             running.submitted = True
             stream = cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
                 prompt_token_ids=ids, sampling_params=replace(cmd.params, max_tokens=max_tokens),
-                request_id=rid, priority=cmd.priority, speculation=cmd.speculation))
+                request_id=rid, priority=cmd.priority, speculation=cmd.speculation,
+                cache_salt=tenant(self.ws.scope)))
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     self.session.on_output(rid, out)

@@ -161,6 +161,10 @@ class SuffixProposer:
             tree.append(seq, output)
         partition.tree = tree
 
+    def tenants(self) -> list[str | None]:
+        """The partitions' tenants, least recently used first."""
+        return list(self._partitions)
+
     def stats(self) -> dict[str, int]:
         return {"requests": len(self._requests), "partitions": len(self._partitions),
                 "responses": sum(len(p.outputs) for p in self._partitions.values()),

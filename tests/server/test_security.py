@@ -60,6 +60,30 @@ def test_http_keys(guarded):
     assert httpx.get(f"{guarded.http}/metrics").status_code == 200
 
 
+def test_each_api_key_is_its_own_tenant(guarded):
+    """Requests carry a digest of their API key as cache_salt: the suffix proposer learns each
+    key's answers in that key's partition only (and the prefix cache is keyed the same way)."""
+    from server.guard import tenant_of
+
+    suffix = guarded.gateway.llm.engine.speculator.suffix
+    if suffix is None:
+        pytest.skip("no suffix trie here (gcc)")
+    body = {"model": guarded.gateway.model_name,
+            "messages": [{"role": "user", "content": "Count to ten."}],
+            "max_tokens": 8, "temperature": 0}
+    for key in (KEY, "other-key-999"):
+        r = httpx.post(f"{guarded.http}/v1/chat/completions", json=body,
+                       headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert r.status_code == 200, r.text
+    with ws_open(guarded.ws_url, additional_headers=AUTH) as ws:
+        session(ws)
+        say(ws, "Hello")
+        collect(ws, respond(ws, max_output_tokens=4, temperature=0))
+    tenants = suffix.tenants()
+    assert tenant_of(KEY) in tenants and tenant_of("other-key-999") in tenants
+    assert None not in tenants and all(KEY not in str(t) for t in tenants)
+
+
 def test_ws_keys_header_query_subprotocol(guarded):
     with ws_open(guarded.ws_url, additional_headers=AUTH) as ws:
         session(ws)
