@@ -2,7 +2,7 @@
 
 Prompts (``benchmarks/prompts/spec_bench.json``, written for this repo) come in 8 categories
 of 3 chat conversations each: multi_turn_chat, summarisation, rewriting_editing,
-code_editing, rag_qa, math, translation, open_writing.
+code_editing, rag_qa, math, translation, open_writing; and agentic (4).
 
 One engine is built (with ``--draft-model`` when a method needs it); every request names its
 method through the per-request ``speculation`` override, so all methods share the same
@@ -27,7 +27,9 @@ Speculation statistics, summed over every request of a method's runs (from ``usa
   samples the first token counts as a step that could not speculate).
 
 Every request runs under its own ``cache_salt`` (its own tenant): no method learns from, or
-reuses the prefix cache of, the benchmark's earlier requests.
+reuses the prefix cache of, the benchmark's earlier requests; except in the ``agentic``
+category (a repeated tool-call format, a rewrite of a file the assistant wrote), whose requests
+in one run share a tenant, as one agent's would.
 
 Greedy agreement: whether each request's tokens are identical with and without speculation
 (first repeat; bf16 verification of several tokens at once may legitimately round
@@ -82,10 +84,15 @@ def load_prompts(path: Path = PROMPTS_PATH) -> dict[str, list[list[dict[str, str
 
 # ---------------------------------------------------------------------- runs
 
+# Categories whose requests act as one agent (one tenant): the suffix method may draft from
+# the run's earlier answers, as it would for an agent re-emitting its own tool calls.
+SHARED_TENANT_CATEGORIES = frozenset({"agentic"})
+
 
 def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-              tag: str, method: str) -> dict[str, Any]:
-    """All ``prompts`` submitted at once and stepped to completion."""
+              tag: str, method: str, tenant: str | None = None) -> dict[str, Any]:
+    """All ``prompts`` submitted at once and stepped to completion; ``tenant`` None: every
+    request its own tenant."""
     rids = [f"{tag}-{i}" for i in range(len(prompts))]
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     usage: dict[str, Any] = {}
@@ -95,7 +102,8 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
         # answer this benchmark produced before (repeats ask the same prompts again), and no
         # method gets prefix-cache hits from earlier repeats
         engine.add_request(rid, sampling_params=params, prompt_token_ids=ids,
-                           speculation=SpeculationParams(method=method), cache_salt=rid)
+                           speculation=SpeculationParams(method=method),
+                           cache_salt=tenant or rid)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.error:
@@ -108,17 +116,20 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
 
 
 def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
-                 params: SamplingParams, tag: str, method: str) -> dict[str, Any]:
-    """One category at one concurrency: C=1 one prompt at a time, else C cycled prompts."""
+                 params: SamplingParams, tag: str, method: str,
+                 shared_tenant: bool = False) -> dict[str, Any]:
+    """One category at one concurrency: C=1 one prompt at a time, else C cycled prompts.
+    ``shared_tenant``: the run's requests are one tenant (an agent's session)."""
+    tenant = tag if shared_tenant else None
     if concurrency == 1:
-        parts = [run_batch(engine, [p], params, f"{tag}-p{i}", method)
+        parts = [run_batch(engine, [p], params, f"{tag}-p{i}", method, tenant)
                  for i, p in enumerate(prompts)]
         run = {"wall_s": sum(p["wall_s"] for p in parts),
                "tokens": [t for p in parts for t in p["tokens"]],
                "usage": [u for p in parts for u in p["usage"]]}
     else:
         batch = [prompts[i % len(prompts)] for i in range(concurrency)]
-        run = run_batch(engine, batch, params, tag, method)
+        run = run_batch(engine, batch, params, tag, method, tenant)
     generated = sum(len(t) for t in run["tokens"])
     run["generated"] = generated
     run["tok_s"] = generated / run["wall_s"]
@@ -307,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
                 for method in order:
                     bar.set_postfix_str(f"repeat {r + 1}, {cat}, C={c}, {method}")
                     runs[(cat, c)][method].append(run_category(
-                        engine, prompts[cat], c, params, f"r{r}-{cat}-c{c}-{method}", method))
+                        engine, prompts[cat], c, params, f"r{r}-{cat}-c{c}-{method}", method,
+                        shared_tenant=cat in SHARED_TENANT_CATEGORIES))
                     bar.update()
         # results so far are written after every repeat (a long run can be cut short)
         report(args, info, engine, prompts, runs, r + 1, load_s, final=r + 1 == args.repeats)
