@@ -208,4 +208,13 @@ class AsyncLLM:
             "spec_num_accepted": spec.num_accepted,
             "spec_accepted_per_position": list(spec.accepted_per_position),
             "spec_drafted_per_position": list(spec.drafted_per_position),
+            "spec_proposer_seconds": spec.proposer_seconds,
+            **self._suffix_stats(),
         }
+
+    def _suffix_stats(self) -> dict[str, int]:
+        suffix = self.engine.speculator.suffix
+        if suffix is None:
+            return {}
+        s = suffix.stats()
+        return {"suffix_tenants": s["partitions"], "suffix_cached_tokens": s["tokens"]}

@@ -42,12 +42,20 @@ class _EngineCollector(Collector):
                           stats.get("num_waiting", 0))
         yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
                           stats.get("kv_usage", 0.0))
+        yield self._gauge("spec_decode_suffix_tenants",
+                          "Tenants whose earlier answers the suffix proposer keeps.",
+                          stats.get("suffix_tenants", 0))
+        yield self._gauge("spec_decode_suffix_cached_tokens",
+                          "Tokens of earlier answers in the suffix proposer's tries.",
+                          stats.get("suffix_cached_tokens", 0))
         counters = {
             "num_preemptions": ("Preemptions (recompute) so far.", "num_preemptions"),
             "spec_decode_num_drafts": ("Verification steps that carried drafts.",
                                        "spec_num_steps"),
             "spec_decode_num_draft_tokens": ("Draft tokens proposed.", "spec_num_drafted"),
             "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", "spec_num_accepted"),
+            "spec_decode_proposer_seconds": ("Seconds spent choosing drafts.",
+                                             "spec_proposer_seconds"),
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
                                      "prefix_cache_queries"),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.",

@@ -9,6 +9,7 @@ then schedules them with the request's next token and the runner verifies them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -31,6 +32,7 @@ class SpeculationStats:
     num_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [max_k]
     drafted_per_position: list[int] = field(default_factory=list)  # [max_k]
+    proposer_seconds: float = 0.0  # wall time spent choosing drafts (all proposers)
 
     @property
     def acceptance_rate(self) -> float:
@@ -112,6 +114,13 @@ class Speculator:
 
     def propose(self, running: list[Request], num_plain_tokens: int) -> None:
         """Fill ``spec_token_ids`` (and ``spec_draft_probs``) of the running requests."""
+        start = time.perf_counter()
+        try:
+            self._propose(running, num_plain_tokens)
+        finally:
+            self.stats.proposer_seconds += time.perf_counter() - start
+
+    def _propose(self, running: list[Request], num_plain_tokens: int) -> None:
         candidates: list[_Candidate] = []
         for request in running:
             request.spec_token_ids, request.spec_draft_probs = [], None

@@ -25,7 +25,8 @@ def test_loading_then_stats_and_observations():
     assert loading[("quickdraft:prefix_cache_hits_total", (("model_name", "tiny"),))] == 0
     stats = {"num_running": 2, "num_waiting": 1, "kv_usage": 0.25, "num_preemptions": 3,
              "spec_num_steps": 4, "spec_num_drafted": 9, "spec_num_accepted": 5,
-             "spec_accepted_per_position": [3, 2], "prefix_cache_queries": 7}
+             "spec_accepted_per_position": [3, 2], "prefix_cache_queries": 7,
+             "spec_proposer_seconds": 0.5, "suffix_tenants": 2, "suffix_cached_tokens": 300}
     m.observe(Usage(10, 5, queue_time=0.01, ttft=0.1, decode_time=0.4), "stop", 0.6)
     m.observe(None, "abort", 0.2)
     got = samples(m)
@@ -34,6 +35,9 @@ def test_loading_then_stats_and_observations():
     assert got[("quickdraft:kv_cache_usage_perc", label)] == 0.25
     assert got[("quickdraft:spec_decode_num_draft_tokens_total", label)] == 9
     assert got[("quickdraft:prefix_cache_queries_total", label)] == 7
+    assert got[("quickdraft:spec_decode_proposer_seconds_total", label)] == 0.5
+    assert got[("quickdraft:spec_decode_suffix_tenants", label)] == 2
+    assert got[("quickdraft:spec_decode_suffix_cached_tokens", label)] == 300
     assert got[("quickdraft:spec_decode_num_accepted_tokens_per_pos_total",
                 (("model_name", "tiny"), ("position", "1")))] == 2
     assert got[("quickdraft:prompt_tokens_total", label)] == 10
