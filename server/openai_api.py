@@ -32,7 +32,9 @@ from server.params import (
     JSON,
     Fields,
     build_sampling,
+    cache_namespace,
     fit_max_tokens,
+    read_cache_salt,
     read_content,
     read_max_tokens,
     read_priority,
@@ -62,6 +64,7 @@ class Options:
     priority: int
     speculation: SpeculationParams | None
     logprobs: bool
+    cache_salt: str | None = None  # the client's namespace within its tenant
 
 
 def gateway(request: Request) -> Gateway:
@@ -171,7 +174,7 @@ def parse_options(f: Fields, model_name: str, *, chat: bool) -> Options:
     stream_options = f.child("stream_options")
     include_usage = bool(stream_options and stream_options.get("include_usage", "bool"))
     return Options(sampling, max_tokens, key, stream, stream and include_usage,
-                   read_priority(f), read_speculation(f), logprobs)
+                   read_priority(f), read_speculation(f), logprobs, read_cache_salt(f))
 
 
 def _read_logprobs(f: Fields, chat: bool) -> bool:
@@ -238,7 +241,8 @@ async def run(request: Request, gw: Gateway, llm: AsyncLLM, ids: list[int], opts
     gw.http_requests.add(rid)
     stream = cast(AsyncGenerator[RequestOutput, None], llm.generate(
         prompt_token_ids=ids, sampling_params=params, request_id=rid, priority=opts.priority,
-        speculation=opts.speculation, cache_salt=tenant(request.scope)))  # aclose() aborts it
+        speculation=opts.speculation,
+        cache_salt=cache_namespace(tenant(request.scope), opts.cache_salt)))  # aclose() aborts
 
     def observe(out: RequestOutput) -> None:
         gw.metrics.observe(out.usage, out.finish_reason, time.monotonic() - start)

@@ -177,6 +177,26 @@ def read_speculation(f: Fields, key: str = "speculation") -> SpeculationParams |
         raise invalid(f"{param}.{exc.param.rsplit('.', 1)[-1]}", exc.message) from exc
 
 
+MAX_CACHE_SALT_LEN = 256
+
+
+def read_cache_salt(f: Fields, key: str = "cache_salt") -> str | None:
+    """The client's own cache namespace (as vLLM's ``cache_salt``): requests with different
+    salts share neither prefix-cache blocks nor the suffix proposer's earlier answers."""
+    value = f.string(key, max_len=MAX_CACHE_SALT_LEN)
+    if value is not None and not value:
+        raise invalid(f.param(key), "must be a non-empty string")
+    return value
+
+
+def cache_namespace(tenant: str | None, salt: str | None) -> str | None:
+    """The engine's ``cache_salt``: the API key's tenant (see ``server.guard``), refined by the
+    client's salt; a client salt can never name another key's namespace."""
+    if salt is None:
+        return tenant
+    return f"{tenant or 'open'}/{salt}"
+
+
 def read_priority(f: Fields, key: str = "priority") -> int:
     name = f.choice(key, PRIORITY_CLASSES, DEFAULT_PRIORITY)
     assert name is not None

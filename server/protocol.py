@@ -28,6 +28,7 @@ from server.params import (
     SAMPLING_FIELDS,
     Fields,
     build_sampling,
+    read_cache_salt,
     read_content,
     read_max_tokens,
     read_priority,
@@ -38,7 +39,7 @@ from server.params import (
 from spec.params import SpeculationParams
 
 SESSION_FIELDS = ("instructions", "max_output_tokens", "speculation", *SAMPLING_FIELDS)
-RESPONSE_FIELDS = (*SESSION_FIELDS, "priority", "conversation")
+RESPONSE_FIELDS = (*SESSION_FIELDS, "priority", "conversation", "cache_salt")
 ROLES = ("user", "assistant", "system")
 MAX_ID_LEN = 128
 CHARS_PER_TOKEN_BOUND = 32  # a conversation longer than context * this can never be answered
@@ -54,6 +55,7 @@ class StartResponse:
     max_tokens: int | None  # the client's limit; None = up to the context
     priority: int
     speculation: SpeculationParams | None
+    cache_salt: str | None = None  # the client's namespace within its tenant
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,7 @@ class Session:
         params = build_sampling({**d.sampling, **read_sampling(r), "max_tokens": max_tokens or 1},
                                 "response", "max_output_tokens")
         priority = read_priority(r)
+        cache_salt = read_cache_salt(r)
         speculation = read_speculation(r) if r.has("speculation") else d.speculation
         instructions = r.string("instructions") if r.has("instructions") else d.instructions
         append = r.choice("conversation", ("auto", "none"), "auto") == "auto"
@@ -255,7 +258,8 @@ class Session:
                     "response": {"id": resp.id, "object": "realtime.response",
                                  "status": "in_progress", "item_id": resp.item_id,
                                  "conversation": "auto" if append else "none"}})
-        return [StartResponse(resp.id, messages, params, max_tokens, priority, speculation)]
+        return [StartResponse(resp.id, messages, params, max_tokens, priority, speculation,
+                              cache_salt)]
 
     def _response_cancel(self, ev: Fields, event_id: str | None) -> list[Command]:
         ev.only(("type", "event_id", "response_id"))

@@ -27,7 +27,7 @@ from engine.sampling_params import InvalidParameterError
 from server.errors import ProtocolError, engine_failed, invalid
 from server.gateway import Gateway
 from server.guard import select_subprotocol, tenant
-from server.params import fit_max_tokens
+from server.params import cache_namespace, fit_max_tokens
 from server.protocol import Command, Session, StartResponse, new_id
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class Connection:
             stream = cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
                 prompt_token_ids=ids, sampling_params=replace(cmd.params, max_tokens=max_tokens),
                 request_id=rid, priority=cmd.priority, speculation=cmd.speculation,
-                cache_salt=tenant(self.ws.scope)))
+                cache_salt=cache_namespace(tenant(self.ws.scope), cmd.cache_salt)))
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     self.session.on_output(rid, out)

@@ -11,7 +11,9 @@ from server.params import (
     PRIORITY_CLASSES,
     Fields,
     build_sampling,
+    cache_namespace,
     fit_max_tokens,
+    read_cache_salt,
     read_content,
     read_max_tokens,
     read_priority,
@@ -61,6 +63,20 @@ def test_max_tokens_speculation_priority_content():
     assert read_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "c") \
         == "ab"
     assert error_of(read_content, [{"type": "text"}], "c").param == "c[0].text"
+
+
+def test_cache_salt_and_namespace():
+    assert read_cache_salt(Fields({})) is None
+    assert read_cache_salt(Fields({"cache_salt": "team-1"}, "response")) == "team-1"
+    for bad, code in (("", "invalid_value"), (5, "invalid_type"), ("x" * 257, "invalid_value")):
+        err = error_of(read_cache_salt, Fields({"cache_salt": bad}, "response"))
+        assert (err.code, err.param) == (code, "response.cache_salt")
+    assert cache_namespace(None, None) is None
+    assert cache_namespace("key:ab", None) == "key:ab"
+    assert cache_namespace("key:ab", "x") == "key:ab/x"
+    assert cache_namespace(None, "x") == "open/x"
+    # a client salt never names a key's namespace
+    assert cache_namespace(None, "key:ab") != cache_namespace("key:ab", None)
 
 
 def test_fit_max_tokens():

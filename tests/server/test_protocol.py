@@ -86,8 +86,10 @@ def test_turn_builds_prompt_and_appends_answer():
 
     [cmd] = feed(s, {"type": "response.create", "event_id": "r1",
                      "response": {"max_output_tokens": 5, "priority": "background",
-                                  "speculation": {"method": "ngram", "k": 2}}})
+                                  "speculation": {"method": "ngram", "k": 2},
+                                  "cache_salt": "team-1"}})
     assert isinstance(cmd, StartResponse)
+    assert cmd.cache_salt == "team-1"
     assert cmd.messages == [{"role": "system", "content": "Be terse."},
                             {"role": "user", "content": "Hello"}]
     assert cmd.params.temperature == 0.5 and cmd.max_tokens == 5 and cmd.priority == 10

@@ -79,8 +79,12 @@ def test_each_api_key_is_its_own_tenant(guarded):
         session(ws)
         say(ws, "Hello")
         collect(ws, respond(ws, max_output_tokens=4, temperature=0))
+    r = httpx.post(f"{guarded.http}/v1/chat/completions", json={**body, "cache_salt": "team-1"},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
     tenants = suffix.tenants()
     assert tenant_of(KEY) in tenants and tenant_of("other-key-999") in tenants
+    assert f"{tenant_of(KEY)}/team-1" in tenants  # the client's salt within its key
     assert None not in tenants and all(KEY not in str(t) for t in tenants)
 
 
