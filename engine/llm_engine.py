@@ -217,9 +217,23 @@ class LLMEngine:
         self._record_speculation(sched, result.sampled)
         updates = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
         outputs = [out for u in updates if (out := self._process(u)) is not None]
-        running = self.scheduler.running
-        self.speculator.propose(running, num_plain_tokens=len(running))
+        self._propose_drafts(sched)
         return outputs
+
+    def _propose_drafts(self, sched: SchedulerOutput) -> None:
+        """Drafts for the next step, for the running requests this step scheduled (a request
+        the scheduler held back, e.g. background work paused behind interactive work, gets
+        none: its drafts would go stale unverified). The next step's tokens without drafts
+        are estimated from this one's: one per decoding request plus the prefill chunks."""
+        scheduled = {s.request_id for s in sched.requests}
+        running = []
+        for request in self.scheduler.running:
+            if request.request_id in scheduled:
+                running.append(request)
+            else:  # held back: no new drafts, and an earlier step's are dropped
+                request.spec_token_ids, request.spec_draft_probs = [], None
+        prefill = sum(s.num_tokens for s in sched.requests if not s.sample)
+        self.speculator.propose(running, num_plain_tokens=len(running) + prefill)
 
     def _record_speculation(self, sched: SchedulerOutput, sampled: list[list[int]]) -> None:
         for s, tokens in zip(sched.requests, sampled, strict=True):

@@ -114,3 +114,26 @@ def test_greedy_staggered_batch_of_8_equal_and_answers_learnt(engines):
     stats = suffix.stats()
     assert stats["requests"] == 0  # every request's trie dropped at its end
     assert stats["responses"] >= 2 * len(PROMPTS)  # both runs' answers learnt
+
+
+def test_a_paused_background_request_is_not_drafted_for(tiny_model_dir):
+    """Drafts go only to requests the step scheduled: background work paused behind an
+    interactive request gets none (they would go stale unverified)."""
+    engine = make_engine(tiny_model_dir, "suffix", max_background_tokens_with_interactive=0)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("bg", PROMPTS[2], params, priority=10)
+    for _ in range(3):
+        engine.step()  # the background request alone: prefilled and decoding
+    bg = engine.scheduler.requests["bg"]
+    engine.add_request("ia", PROMPTS[0], params)
+    paused = 0
+    while "ia" in engine.scheduler.requests:
+        before = bg.num_computed_tokens
+        engine.step()
+        if bg.num_computed_tokens == before:  # not scheduled this step: no drafts for it
+            assert bg.spec_token_ids == []
+            paused += 1
+    assert paused > 0
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert bg.num_output_tokens == 30
