@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections import Counter, deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
@@ -308,7 +309,12 @@ class BatchWorker:
         self._loaded: set[str] = set()  # in_progress batches whose pending lines were queued
         self._retry_at = 0.0
         self._main: asyncio.Task[None] | None = None
+        # Set by stop(): the loop ends at its next turn even if the cancellation is lost
+        # (Python 3.11's asyncio.wait_for can swallow a cancel that races its inner wait
+        # finishing, and then stop() waited for a loop that never ended).
+        self._stopping = False
         self._lock_fd: int | None = None
+        self._fd_guard = threading.Lock()  # _try_lock runs in a thread; stop() may race it
         self._lock_warned = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -324,10 +330,12 @@ class BatchWorker:
         return self._store
 
     def start(self) -> None:
+        self._stopping = False
         self._main = asyncio.get_running_loop().create_task(self.run(), name="batch-worker")
 
     async def stop(self) -> None:
         """Cancel in-flight lines (they stay pending: a restart runs them) and close."""
+        self._stopping = True
         main, self._main = self._main, None
         tasks = list(self._running)
         for task in [*tasks, *([main] if main else [])]:
@@ -336,9 +344,10 @@ class BatchWorker:
         if self._store is not None:
             await asyncio.to_thread(self._store.close)
             self._store = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # also released by the kernel if this process dies
-            self._lock_fd = None
+        with self._fd_guard:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # also released by the kernel if this process dies
+                self._lock_fd = None
 
     def _try_lock(self) -> bool:
         """Only one process runs the batches of a database: an exclusive lock on
@@ -352,7 +361,11 @@ class BatchWorker:
         except OSError:
             os.close(fd)
             return False
-        self._lock_fd = fd
+        with self._fd_guard:
+            if self._stopping:  # stop() ran meanwhile: do not keep a lock nobody releases
+                os.close(fd)
+                return False
+            self._lock_fd = fd
         return True
 
     def wake(self) -> None:
@@ -369,7 +382,7 @@ class BatchWorker:
             log.error("batch worker: the engine failed to load; no batch will run")
             return
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._stopping:
             self._wake.clear()
             delay = self.idle_poll
             try:

@@ -5,6 +5,7 @@ them; only one worker at a time runs a database's batches."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -139,3 +140,28 @@ def test_stopped_worker_leaves_lines_pending_and_another_takes_over(llm, tmp_pat
 
     asyncio.run(scenario())
     assert llm.engine.kv.num_free_blocks == baseline
+
+
+def test_stop_ends_the_loop_even_when_a_cancel_is_lost(llm, tmp_path):
+    """Python 3.11's asyncio.wait_for can swallow a cancellation that races its inner wait;
+    stop() then waited forever for the worker's loop (seen once in CI). The loop also checks
+    a stop flag."""
+    async def scenario() -> None:
+        link = LocalLink(llm, MODEL)
+        worker = BatchWorker(tmp_path / "b.sqlite3", link, idle_poll=0.01)
+        real_step = worker.step
+
+        async def step_losing_cancels() -> None:
+            with contextlib.suppress(asyncio.CancelledError):  # what the race does
+                await asyncio.sleep(0.05)
+            await real_step()
+
+        worker.step = step_losing_cancels  # type: ignore[method-assign]
+        worker.start()
+        await asyncio.sleep(0.1)
+        try:
+            await asyncio.wait_for(worker.stop(), 10)
+        finally:
+            link.close()
+
+    asyncio.run(scenario())
