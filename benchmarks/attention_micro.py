@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from common import per_call_us
 
-from kernels import cpu_attention
+from quickdraft.kernels import cpu_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 BF16 = torch.bfloat16

@@ -59,9 +59,9 @@ from decode_extras import (
 )
 from decode_runs import aggregate, agreement, rates, run_hf, run_ours, weight_bytes_per_step
 
-from engine import weight_format
-from engine.config import ConfigError, EngineConfig
-from engine.llm_engine import LLMEngine
+from quickdraft.engine import weight_format
+from quickdraft.engine.config import ConfigError, EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
 
 PROMPTS = [
     "What is the capital of France?",

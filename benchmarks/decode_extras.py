@@ -15,7 +15,7 @@ from typing import Any
 from common import median, summarize
 from decode_runs import rates, run_ours
 
-from engine.llm_engine import LLMEngine
+from quickdraft.engine.llm_engine import LLMEngine
 
 # Runs inside the peer's own Python (llama-cpp-python lives in its own venv, see
 # ../shared/PEERS.md): greedy decode of each prompt at batch 1, timed per token.

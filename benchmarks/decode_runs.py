@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from common import median, summarize
 
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.sampling_params import SamplingParams
 
 
 def run_ours(engine: LLMEngine, prompts: list[list[int]], n: int, tag: str) -> dict[str, Any]:
@@ -112,7 +112,7 @@ def agreement(ours: list[list[int]], hf: list[list[int]], eos: frozenset[int]) -
 def weight_bytes_per_step(engine: LLMEngine) -> dict[str, Any]:
     """Bytes of weights one decode step reads: every parameter except an untied embedding;
     layers running on 4-bit weights count their packed bytes instead of the dense ones."""
-    from engine.models.llama import Linear
+    from quickdraft.engine.models.llama import Linear
 
     model = engine.runner.model
     params = dict(model.named_parameters())  # a tied lm_head is the same tensor: counted once

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from common import per_call_us
 
-from kernels import cpu_fused, torch_ops
+from quickdraft.kernels import cpu_fused, torch_ops
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 576, 9, 3, 64, 1536, 30
 EPS = 1e-5

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemv
+from quickdraft.kernels import cpu_gemv
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (n, k)
 NUM_LAYERS = 30

@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine_info, machine_summary, per_call_us
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.models.llama import TORCH_OPS
-from kernels import cpu_attention, cpu_int4, cpu_layer
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.models.llama import TORCH_OPS
+from quickdraft.kernels import cpu_attention, cpu_int4, cpu_layer
 
 
 @torch.library.custom_op("quickdraft_bench::attention", mutates_args=())
@@ -67,7 +67,7 @@ def main() -> None:
                     progress=False)
     model = llm.runner.model
     layer, kv = model.layers[0], llm.runner.kv_caches[0]
-    from kernels.attention_metadata import build_metadata
+    from quickdraft.kernels.attention_metadata import build_metadata
 
     ctx = 65
     meta = build_metadata([0, 1], [ctx], [list(range(5))], llm.config.block_size)

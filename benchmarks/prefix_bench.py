@@ -36,9 +36,9 @@ from common import (
     write_json,
 )
 
-from engine.config import DTYPES, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.config import DTYPES, EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.sampling_params import SamplingParams
 
 SYSTEM = ("You are the support assistant of the Riverside Public Library. Policies: members "
           "may borrow up to five books for three weeks; renewals are allowed twice unless "

@@ -41,9 +41,9 @@ from common import (
     write_json,
 )
 
-from engine.async_engine import AsyncLLM
-from engine.config import DTYPES, EngineConfig
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.async_engine import AsyncLLM
+from quickdraft.engine.config import DTYPES, EngineConfig
+from quickdraft.engine.sampling_params import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "spec_bench.json"
 SCENARIOS = ("idle", "priority", "fcfs")

@@ -70,12 +70,12 @@ from common import (
     write_json,
 )
 
-from client import AsyncClient, Backoff
-from engine.async_engine import AsyncLLM
-from engine.sampling_params import SamplingParams
-from server.cli import add_engine_args
-from server.params import PRIORITY_CLASSES
-from server.serve import serve_engine_config
+from quickdraft.client import AsyncClient, Backoff
+from quickdraft.engine.async_engine import AsyncLLM
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.server.cli import add_engine_args
+from quickdraft.server.params import PRIORITY_CLASSES
+from quickdraft.server.serve import serve_engine_config
 
 PROMPTS_PATH = Path(__file__).resolve().parent / "prompts" / "spec_bench.json"
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_seqs",
@@ -375,7 +375,7 @@ def server_process(args: argparse.Namespace) -> Iterator[tuple[str, list[str]]]:
     """``quickdraft serve`` on a free port until /health says 200; (base URL, command)."""
     port = free_port()
     conns = max(256, args.idle_sockets + args.idle_streaming + args.max_concurrency) + 16
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "quickdraft", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning", "--drain-timeout", "5",
            "--max-connections", str(conns), "--max-inflight-requests",
            str(max(64, args.max_concurrency, args.idle_streaming))]

@@ -69,10 +69,10 @@ from common import (
     write_json,
 )
 
-from engine.config import DTYPES, KERNEL_BACKENDS, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from spec.params import SPEC_METHODS, SpeculationParams
+from quickdraft.engine.config import DTYPES, KERNEL_BACKENDS, EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec.params import SPEC_METHODS, SpeculationParams
 
 PROMPTS_PATH = Path(__file__).resolve().parent / "prompts" / "spec_bench.json"
 

@@ -5,15 +5,15 @@
             print(delta.text, end="", flush=True)
 """
 
-from client.async_client import DEFAULT_URL, AsyncClient
-from client.errors import (
+from quickdraft.client.async_client import DEFAULT_URL, AsyncClient
+from quickdraft.client.errors import (
     APIError,
     AuthenticationError,
     ConnectionClosedError,
     ConnectionLostError,
     QuickdraftError,
 )
-from client.events import (
+from quickdraft.client.events import (
     Limits,
     Message,
     ResponseCreated,
@@ -25,10 +25,10 @@ from client.events import (
     Timings,
     Usage,
 )
-from client.retry import Backoff
-from client.session import ChatSession
-from client.stream import ResponseStream
-from client.sync import Client, SyncSession, SyncStream
+from quickdraft.client.retry import Backoff
+from quickdraft.client.session import ChatSession
+from quickdraft.client.stream import ResponseStream
+from quickdraft.client.sync import Client, SyncSession, SyncStream
 
 __all__ = [
     "DEFAULT_URL",

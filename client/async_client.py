@@ -15,11 +15,11 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from client.connection import Connection
-from client.events import JSON, Message, SessionInfo, content_text
-from client.retry import Backoff, SocketOptions
-from client.session import ChatSession
-from client.stream import ResponseStream
+from quickdraft.client.connection import Connection
+from quickdraft.client.events import JSON, Message, SessionInfo, content_text
+from quickdraft.client.retry import Backoff, SocketOptions
+from quickdraft.client.session import ChatSession
+from quickdraft.client.stream import ResponseStream
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/ws"
 API_KEY_ENV = "QUICKDRAFT_API_KEY"

@@ -25,15 +25,15 @@ import orjson
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
-from client.errors import (
+from quickdraft.client.errors import (
     RETRYABLE_CLOSE_CODES,
     APIError,
     ConnectionClosedError,
     ConnectionLostError,
     QuickdraftError,
 )
-from client.events import SessionInfo
-from client.retry import Backoff, SocketOptions, open_with_retry
+from quickdraft.client.events import SessionInfo
+from quickdraft.client.retry import Backoff, SocketOptions, open_with_retry
 
 log = logging.getLogger("quickdraft.client")
 JSON = dict[str, Any]

@@ -19,7 +19,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
-from client.errors import (
+from quickdraft.client.errors import (
     POLICY_VIOLATION,
     RETRYABLE_CLOSE_CODES,
     AuthenticationError,

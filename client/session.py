@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from client.connection import Connection
-from client.events import JSON, Message, Role, SessionInfo
-from client.retry import Backoff, SocketOptions
-from client.stream import ResponseStream
+from quickdraft.client.connection import Connection
+from quickdraft.client.events import JSON, Message, Role, SessionInfo
+from quickdraft.client.retry import Backoff, SocketOptions
+from quickdraft.client.stream import ResponseStream
 
 
 class ChatSession:

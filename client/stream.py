@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
 
-from client.connection import Connection, Inbox
-from client.errors import APIError, ConnectionClosedError, QuickdraftError
-from client.events import ResponseCreated, ResponseDone, ResponseEvent, TextDelta
+from quickdraft.client.connection import Connection, Inbox
+from quickdraft.client.errors import APIError, ConnectionClosedError, QuickdraftError
+from quickdraft.client.events import ResponseCreated, ResponseDone, ResponseEvent, TextDelta
 
 JSON = dict[str, Any]
 class ResponseStream:

@@ -14,11 +14,11 @@ import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
-from client.async_client import DEFAULT_URL, AsyncClient, MessageLike
-from client.events import Message, ResponseDone, Role, SessionInfo, TextDelta
-from client.retry import Backoff
-from client.session import ChatSession
-from client.stream import ResponseStream
+from quickdraft.client.async_client import DEFAULT_URL, AsyncClient, MessageLike
+from quickdraft.client.events import Message, ResponseDone, Role, SessionInfo, TextDelta
+from quickdraft.client.retry import Backoff
+from quickdraft.client.session import ChatSession
+from quickdraft.client.stream import ResponseStream
 
 T = TypeVar("T")
 

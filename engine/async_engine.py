@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from spec.params import SpeculationParams
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.outputs import RequestOutput
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec.params import SpeculationParams
 
 log = logging.getLogger(__name__)
 

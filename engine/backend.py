@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from engine.config import ConfigError, EngineConfig
-from engine.models.llama import LayerOps
+from quickdraft.engine.config import ConfigError, EngineConfig
+from quickdraft.engine.models.llama import LayerOps
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def select_backend(config: EngineConfig) -> KernelBackend:
                                         or device.type == "cuda")
     interpreting = False
     if triton_ok:
-        from kernels import triton_common
+        from quickdraft.kernels import triton_common
 
         triton_ok = triton_common.available()
         interpreting = triton_common.INTERPRET
@@ -127,8 +127,8 @@ def select_backend(config: EngineConfig) -> KernelBackend:
     if choice.name == "triton":
         backend = _triton_backend(device, choice)
     else:
-        from kernels import torch_attention
-        from spec.rejection_sampler import rejection_sample
+        from quickdraft.kernels import torch_attention
+        from quickdraft.spec.rejection_sampler import rejection_sample
 
         backend = KernelBackend("torch", device, torch_attention, None, rejection_sample,
                                 False, choice.reason)
@@ -137,7 +137,7 @@ def select_backend(config: EngineConfig) -> KernelBackend:
 
 
 def _triton_backend(device: torch.device, choice: BackendChoice) -> KernelBackend:
-    from kernels import triton_attention, triton_ops, triton_rejection
+    from quickdraft.kernels import triton_attention, triton_ops, triton_rejection
 
     ops = LayerOps(triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.rope_neox_,
                    triton_ops.silu_mul)

@@ -33,8 +33,13 @@ from typing import Any
 
 import torch
 
-from engine.step_plan import CHECK_INVARIANTS, StepPlan
-from kernels.attention_metadata import AttentionMetadata, MetadataLayout, fill_packed, unpack
+from quickdraft.engine.step_plan import CHECK_INVARIANTS, StepPlan
+from quickdraft.kernels.attention_metadata import (
+    AttentionMetadata,
+    MetadataLayout,
+    fill_packed,
+    unpack,
+)
 
 log = logging.getLogger(__name__)
 

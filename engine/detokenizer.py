@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded before the first output token, so its leading space comes out right.

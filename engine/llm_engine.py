@@ -13,21 +13,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine import loader
-from engine.backend import KernelBackend, select_backend
-from engine.config import EngineConfig
-from engine.cpu_threads import ThreadGovernor
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache import KVCacheManager, cdiv
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput, Usage
-from engine.request import Request, RequestStatus
-from engine.sampling_params import InvalidParameterError, SamplingParams
-from engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
-from spec.draft_model import DraftModelRunner, check_same_vocabulary
-from spec.params import SpeculationParams
-from spec.policy import SpeculationPolicy, StepCost, measure_step_cost
-from spec.speculator import Speculator
+from quickdraft.engine import loader
+from quickdraft.engine.backend import KernelBackend, select_backend
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.cpu_threads import ThreadGovernor
+from quickdraft.engine.detokenizer import IncrementalDetokenizer
+from quickdraft.engine.kv_cache import KVCacheManager, cdiv
+from quickdraft.engine.model_runner import ModelRunner
+from quickdraft.engine.outputs import RequestOutput, Usage
+from quickdraft.engine.request import Request, RequestStatus
+from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
+from quickdraft.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
+from quickdraft.spec.params import SpeculationParams
+from quickdraft.spec.policy import SpeculationPolicy, StepCost, measure_step_cost
+from quickdraft.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192

@@ -114,7 +114,7 @@ def resolve_model(
 
 def _fetched_by_name(name: str) -> Path | None:
     """A model fetched by ``quickdraft models fetch`` (e.g. ``qwen2.5-coder-1.5b``)."""
-    from engine import model_fetch  # model_fetch imports this module
+    from quickdraft.engine import model_fetch  # model_fetch imports this module
 
     if name not in model_fetch.CHUNKED_MODELS:
         return None

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import loader
+from quickdraft.engine import loader
 
 _CHUNK = 1 << 22
 

@@ -18,16 +18,16 @@ from typing import Any
 
 import torch
 
-from engine import loader, weight_format
-from engine.backend import KernelBackend, select_backend, synchronize
-from engine.config import EngineConfig
-from engine.cuda_graphs import Capture, CUDAGraphRunner, cuda_capture, eager_capture
-from engine.kv_cache import kv_bytes_per_block
-from engine.models.llama import LlamaForCausalLM
-from engine.sampler import SamplingBatch, sample
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.step_plan import StepPlan, plan_step
-from kernels import cpu_gemv
+from quickdraft.engine import loader, weight_format
+from quickdraft.engine.backend import KernelBackend, select_backend, synchronize
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.cuda_graphs import Capture, CUDAGraphRunner, cuda_capture, eager_capture
+from quickdraft.engine.kv_cache import kv_bytes_per_block
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.sampler import SamplingBatch, sample
+from quickdraft.engine.scheduler import ScheduledRequest, SchedulerOutput
+from quickdraft.engine.step_plan import StepPlan, plan_step
+from quickdraft.kernels import cpu_gemv
 
 log = logging.getLogger(__name__)
 

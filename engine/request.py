@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from spec.params import SpeculationParams
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec.params import SpeculationParams
 
 
 class RequestStatus(enum.Enum):

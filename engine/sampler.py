@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.kv_cache import KVCacheManager
+from quickdraft.engine.request import Request, RequestStatus
+from quickdraft.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

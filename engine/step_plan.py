@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.scheduler import SchedulerOutput
-from kernels.attention_metadata import AttentionMetadata, build_metadata
+from quickdraft.engine.scheduler import SchedulerOutput
+from quickdraft.kernels.attention_metadata import AttentionMetadata, build_metadata
 
 # Tests switch this on (tests/conftest.py): every step's plan and metadata are checked.
 CHECK_INVARIANTS = os.environ.get("QUICKDRAFT_CHECK_INVARIANTS") == "1"

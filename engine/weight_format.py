@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from engine import loader
-from engine.config import ConfigError
+from quickdraft.engine import loader
+from quickdraft.engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def gguf_source(model_dir: Path | None) -> Path | None:
 
 def _why_not(runner: Any, model_dir: Path | None) -> str | None:
     """Why the int4 path cannot run here (None: it can)."""
-    from kernels import cpu_int4
+    from quickdraft.kernels import cpu_int4
 
     if runner.device.type != "cpu":
         return f"the model runs on {runner.device.type}, the int4 kernel is CPU-only"
@@ -107,7 +107,7 @@ def choose(runner: Any, model_dir: Path | None, hf_config: Any, requested: str,
 
 def _q4_weights(source: Path, model_dir: Path, hf_config: Any) -> dict[str, Any]:
     """The GGUF's 4-bit matrices, from the conversion's cache directory once read."""
-    from engine import gguf_quant
+    from quickdraft.engine import gguf_quant
 
     cached = model_dir / Q4_CACHE_FILE
     if cached.is_file():

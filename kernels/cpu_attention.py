@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernels import cbuild
+from quickdraft.kernels import cbuild
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kernels import cbuild, torch_ops
+from quickdraft.kernels import cbuild, torch_ops
 
 log = logging.getLogger(__name__)
 

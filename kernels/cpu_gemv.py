@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cbuild
+from quickdraft.kernels import cbuild
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cbuild, cpu_attention, cpu_fused
-from kernels.attention_metadata import AttentionMetadata
+from quickdraft.kernels import cbuild, cpu_attention, cpu_fused
+from quickdraft.kernels.attention_metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

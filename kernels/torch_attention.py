@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
-from kernels.attention_metadata import AttentionMetadata, slots_of
+from quickdraft.kernels import cpu_attention
+from quickdraft.kernels.attention_metadata import AttentionMetadata, slots_of
 
 __all__ = ["AttentionMetadata", "paged_attention", "plan_attention", "write_kv",
            "write_kv_and_attend"]

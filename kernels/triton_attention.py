@@ -37,8 +37,16 @@ import math
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
-from kernels.triton_common import INTERPRET, available, jit, next_pow2, require, round_to, tl
+from quickdraft.kernels.attention_metadata import AttentionMetadata
+from quickdraft.kernels.triton_common import (
+    INTERPRET,
+    available,
+    jit,
+    next_pow2,
+    require,
+    round_to,
+    tl,
+)
 
 __all__ = [
     "AttentionMetadata",
@@ -316,7 +324,7 @@ def paged_attention_varlen(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
     """Tensor-level entry point; all tensors on the same device. ``max_query_len`` only picks
     the query tile (any upper bound of the longest query is correct)."""
-    require("kernels.triton_attention")
+    require("quickdraft.kernels.triton_attention")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     if kv_cache.shape[4] != head_dim or num_heads % num_kv_heads:
@@ -394,7 +402,7 @@ def write_kv(
 ) -> None:
     """:func:`kernels.torch_attention.write_kv`: scatter the new tokens' K/V into their
     cache slots (cast to the cache dtype)."""
-    require("kernels.triton_attention")
+    require("quickdraft.kernels.triton_attention")
     num_tokens, kv_heads, head_dim = key.shape
     if value.shape != key.shape or kv_cache.shape[3:] != key.shape[1:]:
         raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit "

@@ -26,7 +26,15 @@ points raise. ``TRITON_INTERPRET=1`` must be set before import to run on CPU ten
 # No ``from __future__ import annotations``: triton reads the ``tl.constexpr`` annotations.
 import torch
 
-from kernels.triton_common import INTERPRET, available, jit, next_pow2, require, round_to, tl
+from quickdraft.kernels.triton_common import (
+    INTERPRET,
+    available,
+    jit,
+    next_pow2,
+    require,
+    round_to,
+    tl,
+)
 
 __all__ = ["add_rms_norm", "available", "rms_norm", "rope_neox_", "silu_mul"]
 
@@ -175,7 +183,7 @@ def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
           eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    require("kernels.triton_ops")
+    require("quickdraft.kernels.triton_ops")
     n = weight.numel()
     if x.shape[-1] != n or (residual is not None and residual.shape != x.shape):
         raise ValueError(f"x {tuple(x.shape)}, residual "
@@ -223,7 +231,7 @@ def rope_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     x ``[rows, heads, d]`` with any strides (e.g. the q|k columns of a fused qkv output);
     cos, sin ``[rows, d]`` or ``[rows, 1, d]``, shared by all heads."""
-    require("kernels.triton_ops")
+    require("quickdraft.kernels.triton_ops")
     rows, heads, d = x.shape
     if d % 2 or cos.numel() != rows * d or sin.numel() != rows * d:
         raise ValueError(f"x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
@@ -241,7 +249,7 @@ def rope_neox_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """:func:`kernels.torch_ops.silu_mul`: gate_up ``[..., 2 * inter]`` -> ``[..., inter]``."""
-    require("kernels.triton_ops")
+    require("quickdraft.kernels.triton_ops")
     two_inter = gate_up.shape[-1]
     if two_inter % 2:
         raise ValueError(f"last dim {two_inter} is odd")

@@ -43,10 +43,10 @@ CPU tensors.
 # No ``from __future__ import annotations``: triton reads the ``tl.constexpr`` annotations.
 import torch
 
-from engine.sampler import SamplingBatch, draw_exponential_noise_
-from kernels.triton_common import INTERPRET, available, jit, next_pow2, require, tl
-from spec import rejection_sampler as ref
-from spec.rejection_sampler import VerifyOutput
+from quickdraft.engine.sampler import SamplingBatch, draw_exponential_noise_
+from quickdraft.kernels.triton_common import INTERPRET, available, jit, next_pow2, require, tl
+from quickdraft.spec import rejection_sampler as ref
+from quickdraft.spec.rejection_sampler import VerifyOutput
 
 try:
     from triton.language.extra import libdevice
@@ -271,7 +271,7 @@ def rejection_sample(
     ``batch.generators`` / ``default_generator`` must be CPU generators (the random numbers
     are drawn on CPU, see the module docstring). Same draws and results as the reference.
     """
-    require("kernels.triton_rejection")
+    require("quickdraft.kernels.triton_rejection")
     raw, layout, _, logits = ref._prepare(target_logits, draft_token_ids, draft_probs, batch)
     uniforms, noise, noise_rows = _random_draws(
         [len(d) for d in draft_token_ids], batch, logits.shape[1])

@@ -13,14 +13,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
-from server import openai_api
-from server.batch_api import BatchService
-from server.errors import ProtocolError
-from server.gateway import EngineFactory, Gateway, default_engine_factory
-from server.guard import LOCALHOST_ORIGIN_REGEX, Guard
-from server.metrics import CONTENT_TYPE
-from server.settings import ServerSettings
-from server.ws import websocket_endpoint
+from quickdraft.server import openai_api
+from quickdraft.server.batch_api import BatchService
+from quickdraft.server.errors import ProtocolError
+from quickdraft.server.gateway import EngineFactory, Gateway, default_engine_factory
+from quickdraft.server.guard import LOCALHOST_ORIGIN_REGEX, Guard
+from quickdraft.server.metrics import CONTENT_TYPE
+from quickdraft.server.settings import ServerSettings
+from quickdraft.server.ws import websocket_endpoint
 
 
 def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = None

@@ -16,13 +16,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message
 
-from server.batch_store import BatchStore
-from server.batch_worker import ENDPOINTS, BatchWorker
-from server.errors import ProtocolError, invalid, missing, wrong_type
-from server.gateway import Gateway
-from server.openai_api import read_json
-from server.params import JSON, Fields
-from server.settings import ServerSettings
+from quickdraft.server.batch_store import BatchStore
+from quickdraft.server.batch_worker import ENDPOINTS, BatchWorker
+from quickdraft.server.errors import ProtocolError, invalid, missing, wrong_type
+from quickdraft.server.gateway import Gateway
+from quickdraft.server.openai_api import read_json
+from quickdraft.server.params import JSON, Fields
+from quickdraft.server.settings import ServerSettings
 
 COMPLETION_WINDOWS = ("24h",)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512

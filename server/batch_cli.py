@@ -18,7 +18,7 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 
 def add_batch_parser(sub: Any) -> None:
     """Add ``batch`` to the ``quickdraft`` subcommands."""
-    from server.cli import add_engine_args  # the CLI module imports this one
+    from quickdraft.server.cli import add_engine_args  # the CLI module imports this one
 
     p = sub.add_parser("batch", help="run a JSONL file of requests (OpenAI Batch API format), "
                        "locally or on a server")
@@ -60,7 +60,7 @@ def run_batch(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"quickdraft: error: cannot read {args.input}: {exc.strerror}", file=sys.stderr)
         return 2
-    from server.batch_worker import detect_endpoint
+    from quickdraft.server.batch_worker import detect_endpoint
 
     endpoint = args.endpoint or detect_endpoint(data)
     try:
@@ -132,10 +132,10 @@ def write_results(args: argparse.Namespace, output: bytes, errors: bytes) -> Non
 
 
 async def run_local(args: argparse.Namespace, data: bytes, endpoint: str) -> dict[str, Any]:
-    from engine.async_engine import AsyncLLM
-    from server.batch_worker import BatchWorker, LocalLink
-    from server.serve import serve_engine_config
-    from server.settings import ServerSettings
+    from quickdraft.engine.async_engine import AsyncLLM
+    from quickdraft.server.batch_worker import BatchWorker, LocalLink
+    from quickdraft.server.serve import serve_engine_config
+    from quickdraft.server.settings import ServerSettings
 
     config = serve_engine_config(args)
     model_name = ServerSettings(engine=config, served_model_name=args.served_model_name

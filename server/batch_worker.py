@@ -29,14 +29,14 @@ from typing import Any, Protocol, cast
 import jinja2
 import orjson
 
-from engine.async_engine import AsyncLLM, EngineDeadError
-from engine.outputs import RequestOutput
-from engine.sampling_params import InvalidParameterError
-from server.batch_store import BatchStore, LineRecord, PendingLine, new_id
-from server.errors import ProtocolError, engine_failed, invalid, unsupported
-from server.openai_api import parse_messages, parse_options, parse_prompt
-from server.openai_format import CompletionFormat
-from server.params import JSON, PRIORITY_CLASSES, Fields, build_sampling, fit_max_tokens
+from quickdraft.engine.async_engine import AsyncLLM, EngineDeadError
+from quickdraft.engine.outputs import RequestOutput
+from quickdraft.engine.sampling_params import InvalidParameterError
+from quickdraft.server.batch_store import BatchStore, LineRecord, PendingLine, new_id
+from quickdraft.server.errors import ProtocolError, engine_failed, invalid, unsupported
+from quickdraft.server.openai_api import parse_messages, parse_options, parse_prompt
+from quickdraft.server.openai_format import CompletionFormat
+from quickdraft.server.params import JSON, PRIORITY_CLASSES, Fields, build_sampling, fit_max_tokens
 
 try:
     import fcntl

@@ -9,8 +9,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from engine.async_engine import AsyncLLM
-from engine.config import (
+from quickdraft.engine.async_engine import AsyncLLM
+from quickdraft.engine.config import (
     DTYPES,
     KERNEL_BACKENDS,
     SPECULATION_METHODS,
@@ -18,11 +18,11 @@ from engine.config import (
     ConfigError,
     EngineConfig,
 )
-from engine.loader import ModelLoadError
-from engine.sampling_params import InvalidParameterError, SamplingParams
-from server.batch_cli import add_batch_parser
-from server.models_cli import add_models_parser
-from server.serve import add_serve_parser
+from quickdraft.engine.loader import ModelLoadError
+from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
+from quickdraft.server.batch_cli import add_batch_parser
+from quickdraft.server.models_cli import add_models_parser
+from quickdraft.server.serve import add_serve_parser
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

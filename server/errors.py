@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_params import InvalidParameterError
+from quickdraft.engine.sampling_params import InvalidParameterError
 
 
 class ProtocolError(Exception):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput, Usage
-from server.errors import ProtocolError
-from server.params import JSON, speculation_view, timings_view
+from quickdraft.engine.outputs import RequestOutput, Usage
+from quickdraft.server.errors import ProtocolError
+from quickdraft.server.params import JSON, speculation_view, timings_view
 
 
 def outcome(out: RequestOutput, cancel_reason: str | None) -> tuple[str, str, JSON]:

@@ -16,13 +16,13 @@ from typing import Any, Protocol
 
 import jinja2
 
-from engine.async_engine import AsyncLLM
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from server.errors import engine_failed, invalid, model_loading, shutting_down
-from server.limits import Admission, ConnectionLimit
-from server.metrics import GatewayMetrics
-from server.settings import ServerSettings
+from quickdraft.engine.async_engine import AsyncLLM
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.server.errors import engine_failed, invalid, model_loading, shutting_down
+from quickdraft.server.limits import Admission, ConnectionLimit
+from quickdraft.server.metrics import GatewayMetrics
+from quickdraft.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 EngineFactory = Callable[[], AsyncLLM]

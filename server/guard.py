@@ -19,8 +19,8 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import ProtocolError
-from server.settings import ServerSettings
+from quickdraft.server.errors import ProtocolError
+from quickdraft.server.settings import ServerSettings
 
 KEY_SUBPROTOCOL_PREFIX = "quickdraft.api-key."
 APP_SUBPROTOCOL = "quickdraft.v1"

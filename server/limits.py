@@ -7,7 +7,7 @@ server drains, every new request is refused.
 
 from __future__ import annotations
 
-from server.errors import ProtocolError, rate_limited, shutting_down
+from quickdraft.server.errors import ProtocolError, rate_limited, shutting_down
 
 
 class Admission:

@@ -7,7 +7,7 @@ import sys
 
 from tqdm import tqdm
 
-from engine import model_fetch
+from quickdraft.engine import model_fetch
 
 
 def add_models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -20,15 +20,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.async_engine import AsyncLLM, EngineDeadError
-from engine.outputs import RequestOutput
-from engine.sampling_params import InvalidParameterError
-from server.errors import ProtocolError, engine_failed, invalid, unsupported, wrong_type
-from server.gateway import Gateway
-from server.guard import tenant
-from server.limits import Slot
-from server.openai_format import DONE, CompletionFormat, sse
-from server.params import (
+from quickdraft.engine.async_engine import AsyncLLM, EngineDeadError
+from quickdraft.engine.outputs import RequestOutput
+from quickdraft.engine.sampling_params import InvalidParameterError
+from quickdraft.server.errors import ProtocolError, engine_failed, invalid, unsupported, wrong_type
+from quickdraft.server.gateway import Gateway
+from quickdraft.server.guard import tenant
+from quickdraft.server.limits import Slot
+from quickdraft.server.openai_format import DONE, CompletionFormat, sse
+from quickdraft.server.params import (
     JSON,
     Fields,
     build_sampling,
@@ -41,7 +41,7 @@ from server.params import (
     read_sampling,
     read_speculation,
 )
-from spec.params import SpeculationParams
+from quickdraft.spec.params import SpeculationParams
 
 T = TypeVar("T")
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",

@@ -12,8 +12,8 @@ from typing import Any
 
 import orjson
 
-from engine.outputs import RequestOutput, Usage
-from server.params import JSON, speculation_view, timings_view
+from quickdraft.engine.outputs import RequestOutput, Usage
+from quickdraft.server.params import JSON, speculation_view, timings_view
 
 DONE = b"data: [DONE]\n\n"
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from engine.outputs import Usage
-from engine.sampling_params import InvalidParameterError, SamplingParams
-from server.errors import (
+from quickdraft.engine.outputs import Usage
+from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
+from quickdraft.server.errors import (
     ProtocolError,
     from_engine,
     invalid,
@@ -18,7 +18,7 @@ from server.errors import (
     unsupported,
     wrong_type,
 )
-from spec.params import SpeculationParams
+from quickdraft.spec.params import SpeculationParams
 
 JSON = dict[str, Any]
 # Priority classes, the one place they map to the engine's numbers (lower runs first).

@@ -17,13 +17,13 @@ from typing import Any
 
 import orjson
 
-from engine.outputs import RequestOutput, Usage
-from engine.sampling_params import SamplingParams
-from server.errors import ProtocolError, invalid, missing, rate_limited
-from server.events import error_event, outcome, response_done
-from server.limits import Admission
-from server.outbox import Outbox
-from server.params import (
+from quickdraft.engine.outputs import RequestOutput, Usage
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.server.errors import ProtocolError, invalid, missing, rate_limited
+from quickdraft.server.events import error_event, outcome, response_done
+from quickdraft.server.limits import Admission
+from quickdraft.server.outbox import Outbox
+from quickdraft.server.params import (
     JSON,
     SAMPLING_FIELDS,
     Fields,
@@ -36,7 +36,7 @@ from server.params import (
     read_speculation,
     sampling_view,
 )
-from spec.params import SpeculationParams
+from quickdraft.spec.params import SpeculationParams
 
 SESSION_FIELDS = ("instructions", "max_output_tokens", "speculation", *SAMPLING_FIELDS)
 RESPONSE_FIELDS = (*SESSION_FIELDS, "priority", "conversation", "cache_salt")

@@ -14,9 +14,9 @@ from typing import Any
 
 import uvicorn
 
-from server.app import create_app
-from server.gateway import EngineFactory, Gateway
-from server.settings import ServerSettings
+from quickdraft.server.app import create_app
+from quickdraft.server.gateway import EngineFactory, Gateway
+from quickdraft.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 _SECRET = re.compile(r"(api_key=|quickdraft\.api-key\.)[^&\s\"',]+", re.IGNORECASE)

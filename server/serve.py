@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig
-from server.settings import ServerSettings, SettingsError, read_api_key_file
+from quickdraft.engine.config import ConfigError, EngineConfig
+from quickdraft.server.settings import ServerSettings, SettingsError, read_api_key_file
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServerSettings)}
 API_KEY_ENV = "QUICKDRAFT_API_KEY"
@@ -18,7 +18,7 @@ API_KEY_ENV = "QUICKDRAFT_API_KEY"
 
 def add_serve_parser(sub: Any) -> None:
     """Add ``serve`` to the ``quickdraft`` subcommands."""
-    from server.cli import add_engine_args  # the CLI module imports this one
+    from quickdraft.server.cli import add_engine_args  # the CLI module imports this one
 
     p = sub.add_parser("serve",
                        help="serve the WebSocket gateway and the OpenAI-compatible HTTP API")
@@ -62,7 +62,7 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def serve_engine_config(args: argparse.Namespace) -> EngineConfig:
-    from server.cli import engine_config
+    from quickdraft.server.cli import engine_config
 
     return dataclasses.replace(engine_config(args), num_threads=args.num_threads)
 
@@ -102,6 +102,6 @@ def run_serve(args: argparse.Namespace) -> int:
     except (SettingsError, ConfigError) as exc:
         print(f"quickdraft: error: {exc}", file=sys.stderr)
         return 2
-    from server.runner import serve
+    from quickdraft.server.runner import serve
 
     return serve(settings)

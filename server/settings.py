@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from engine.config import EngineConfig
+from quickdraft.engine.config import EngineConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 # What a browser may put after `quickdraft.api-key.` in Sec-WebSocket-Protocol (an HTTP token).
@@ -19,7 +19,7 @@ _TOKEN_SAFE = re.compile(r"^[A-Za-z0-9._~!#$%&'*+^`|-]+$")
 def default_batch_db_path() -> str:
     """``batches.sqlite3`` in the cache directory (``$QUICKDRAFT_CACHE`` or
     ``~/.cache/quickdraft``)."""
-    from engine.loader import cache_root
+    from quickdraft.engine.loader import cache_root
 
     return str(cache_root() / "batches.sqlite3")
 # --- end batch jobs ---

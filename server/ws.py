@@ -21,14 +21,14 @@ from typing import cast
 import orjson
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from engine.async_engine import AsyncLLM, EngineDeadError
-from engine.outputs import RequestOutput
-from engine.sampling_params import InvalidParameterError
-from server.errors import ProtocolError, engine_failed, invalid
-from server.gateway import Gateway
-from server.guard import select_subprotocol, tenant
-from server.params import cache_namespace, fit_max_tokens
-from server.protocol import Command, Session, StartResponse, new_id
+from quickdraft.engine.async_engine import AsyncLLM, EngineDeadError
+from quickdraft.engine.outputs import RequestOutput
+from quickdraft.engine.sampling_params import InvalidParameterError
+from quickdraft.server.errors import ProtocolError, engine_failed, invalid
+from quickdraft.server.gateway import Gateway
+from quickdraft.server.guard import select_subprotocol, tenant
+from quickdraft.server.params import cache_namespace, fit_max_tokens
+from quickdraft.server.protocol import Command, Session, StartResponse, new_id
 
 log = logging.getLogger(__name__)
 HIGH_WATER = 256  # queued events beyond which the client's next message waits

@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 
-from engine import loader
-from engine.backend import KernelBackend, synchronize
-from engine.model_runner import allocate_kv_caches, load_model, model_kv_bytes_per_block
-from engine.models.llama import LlamaForCausalLM
-from engine.sampler import apply_temperature_and_filters, sample_from_probs
-from engine.sampling_params import SamplingParams
-from engine.step_plan import StepPlan
+from quickdraft.engine import loader
+from quickdraft.engine.backend import KernelBackend, synchronize
+from quickdraft.engine.model_runner import allocate_kv_caches, load_model, model_kv_bytes_per_block
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.engine.step_plan import StepPlan
 
 
 class DraftModelError(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import InvalidParameterError
+from quickdraft.engine.sampling_params import InvalidParameterError
 
 SPEC_METHODS = ("off", "ngram", "suffix", "draft", "combined")
 

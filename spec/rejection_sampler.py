@@ -52,13 +52,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import (
+from quickdraft.engine.sampler import (
     SamplingBatch,
     apply_penalties,
     apply_temperature_and_filters,
     sample_from_probs,
 )
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

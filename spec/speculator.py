@@ -12,15 +12,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.kv_cache import KVCacheManager
-from engine.request import Request
-from spec.draft_model import DraftInput, DraftModelRunner
-from spec.ngram import NgramProposer
-from spec.params import SpeculationParams
-from spec.policy import AcceptanceTracker, SpeculationPolicy
-from spec.rejection_sampler import supports_speculation
-from spec.suffix import SuffixConfig, SuffixProposer
-from spec.suffix_tree import available as suffix_tree_available
+from quickdraft.engine.kv_cache import KVCacheManager
+from quickdraft.engine.request import Request
+from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
+from quickdraft.spec.ngram import NgramProposer
+from quickdraft.spec.params import SpeculationParams
+from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy
+from quickdraft.spec.rejection_sampler import supports_speculation
+from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
+from quickdraft.spec.suffix_tree import available as suffix_tree_available
 
 
 @dataclass

@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine.request import Request
-from spec.suffix_tree import Draft, SuffixTree
+from quickdraft.engine.request import Request
+from quickdraft.spec.suffix_tree import Draft, SuffixTree
 
 _EMPTY = Draft([], 0.0, 0)
 

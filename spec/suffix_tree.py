@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import cbuild
+from quickdraft.kernels import cbuild
 
 _SOURCE = Path(__file__).with_name("suffix_tree.c")
 _CFLAGS = ("-O2", "-fPIC", "-shared")

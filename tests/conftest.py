@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 # read at import, so set before the engine is imported.
 os.environ.setdefault("QUICKDRAFT_CHECK_INVARIANTS", "1")
 
-from engine import loader
+from quickdraft.engine import loader
 
 
 @pytest.fixture(scope="session")

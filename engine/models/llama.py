@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.gguf_quant import Q4Weight
-from engine.models.rope import RotaryEmbedding
-from kernels import cpu_fused, cpu_int4, cpu_layer, torch_ops
-from kernels.attention_metadata import AttentionMetadata
-from kernels.cpu_int4 import Int4Weight
+from quickdraft.engine.gguf_quant import Q4Weight
+from quickdraft.engine.models.rope import RotaryEmbedding
+from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, torch_ops
+from quickdraft.kernels.attention_metadata import AttentionMetadata
+from quickdraft.kernels.cpu_int4 import Int4Weight
 
 
 @dataclass(frozen=True)

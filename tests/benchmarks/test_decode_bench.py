@@ -54,8 +54,8 @@ def test_find_llama_cpp_python(monkeypatch):
 
 @pytest.mark.parametrize("weights", ["dense"])
 def test_row_cost_curve_on_a_tiny_engine(tiny_model_dir, weights):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from quickdraft.engine.config import EngineConfig
+    from quickdraft.engine.llm_engine import LLMEngine
 
     llm = LLMEngine(EngineConfig(model=str(tiny_model_dir), weights=weights,
                                  speculation="off", num_kv_blocks=32), progress=False)

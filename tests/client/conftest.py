@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from client import Backoff
+from quickdraft.client import Backoff
 from tests.server.conftest import Served, make_settings, serve, tiny_factory
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from client import (
+from quickdraft.client import (
     APIError,
     AsyncClient,
     AuthenticationError,

@@ -17,8 +17,14 @@ import pytest
 from websockets.asyncio.server import ServerConnection
 from websockets.asyncio.server import serve as ws_serve
 
-from client import AsyncClient, Backoff, ConnectionClosedError, ConnectionLostError, Message
-from client.retry import SocketOptions, open_with_retry
+from quickdraft.client import (
+    AsyncClient,
+    Backoff,
+    ConnectionClosedError,
+    ConnectionLostError,
+    Message,
+)
+from quickdraft.client.retry import SocketOptions, open_with_retry
 from tests.client.conftest import FAST, KEY, SHORT, run, server_conversations
 from tests.server.conftest import make_settings, serve, tiny_factory, ws_open
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from client import APIError, Client
+from quickdraft.client import APIError, Client
 from tests.client.conftest import FAST, LONG, SHORT, wait_no_inflight
 
 

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncLLM, EngineDeadError
-from engine.config import EngineConfig
-from engine.llm_engine import InvalidRequestError, LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.async_engine import AsyncLLM, EngineDeadError
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import InvalidRequestError, LLMEngine
+from quickdraft.engine.outputs import RequestOutput
+from quickdraft.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # Far more than any test waits for: the request is still running when it gets aborted.

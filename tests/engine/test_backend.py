@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.backend import decide, resolve_device, select_backend
-from engine.config import ConfigError, EngineConfig
+from quickdraft.engine.backend import decide, resolve_device, select_backend
+from quickdraft.engine.config import ConfigError, EngineConfig
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -61,10 +61,10 @@ def test_without_a_gpu():
 
 def test_forced_triton_under_the_interpreter():
     pytest.importorskip("triton")
-    from kernels import triton_common
+    from quickdraft.kernels import triton_common
 
     if not triton_common.INTERPRET and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
     backend = select_backend(EngineConfig(kernel_backend="triton"))
     assert backend.name == "triton" and backend.layer_ops is not None
-    assert backend.attention.__name__ == "kernels.triton_attention"
+    assert backend.attention.__name__ == "quickdraft.kernels.triton_attention"

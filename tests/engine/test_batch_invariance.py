@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from kernels import cpu_attention, cpu_gemv, cpu_int4
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.kernels import cpu_attention, cpu_gemv, cpu_int4
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (cpu_gemv.available() and cpu_attention.available()),

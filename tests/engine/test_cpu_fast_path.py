@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import Linear
-from kernels import cpu_fused, cpu_gemv
+from quickdraft.engine.models.llama import Linear
+from quickdraft.kernels import cpu_fused, cpu_gemv
 
 
 @pytest.mark.skipif(not cpu_gemv.available(), reason="CPU GEMV kernel not built here")
@@ -41,10 +41,10 @@ def test_fused_layer_ops_are_bit_equal_to_torch_ops_in_bf16():
 
     from transformers import LlamaConfig
 
-    from engine.kv_cache import KVCacheManager
-    from engine.models.llama import FUSED_CPU_OPS, TORCH_OPS, LlamaForCausalLM
-    from kernels import torch_attention
-    from kernels.attention_metadata import build_metadata
+    from quickdraft.engine.kv_cache import KVCacheManager
+    from quickdraft.engine.models.llama import FUSED_CPU_OPS, TORCH_OPS, LlamaForCausalLM
+    from quickdraft.kernels import torch_attention
+    from quickdraft.kernels.attention_metadata import build_metadata
     from tests.kernels import sum_order_oracle
 
     torch_ops = dataclasses.replace(
@@ -81,10 +81,10 @@ def test_bf16_batched_decode_uses_the_attention_kernel_not_its_slow_fallback(
         tiny_model_dir, monkeypatch):
     """The query reaching attention is a strided view of the qkv output; it must still take
     the C kernel (a silent fallback to the per-sequence reference cost 2x step time)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from kernels import torch_attention
+    from quickdraft.engine.config import EngineConfig
+    from quickdraft.engine.llm_engine import LLMEngine
+    from quickdraft.engine.sampling_params import SamplingParams
+    from quickdraft.kernels import torch_attention
 
     def refuse(*args, **kwargs):
         raise AssertionError("bf16 attention fell back to the torch path")

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from engine import cpu_threads
-from engine.cpu_threads import ThreadGovernor, choose_threads
+from quickdraft.engine import cpu_threads
+from quickdraft.engine.cpu_threads import ThreadGovernor, choose_threads
 
 
 @pytest.fixture(autouse=True)
@@ -95,9 +95,9 @@ def test_not_adaptive_off_cpu_or_without_proc(monkeypatch):
 
 def test_engine_applies_num_threads(tiny_model_dir):
     """--num-threads reaches the kernels (it used to be parsed and then ignored)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from quickdraft.engine.config import EngineConfig
+    from quickdraft.engine.llm_engine import LLMEngine
+    from quickdraft.engine.sampling_params import SamplingParams
 
     llm = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_threads=1,
                                  speculation="off", num_kv_blocks=16), progress=False)

@@ -13,11 +13,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.backend import select_backend
-from engine.config import EngineConfig
-from engine.cuda_graphs import token_buckets
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.backend import select_backend
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.cuda_graphs import token_buckets
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.sampling_params import SamplingParams
 
 triton = pytest.importorskip("triton")
 
@@ -59,7 +59,7 @@ def run(config: EngineConfig, graphs: bool | None, params: list[SamplingParams])
 
 
 def triton_interpreting() -> bool:
-    from kernels import triton_common
+    from quickdraft.kernels import triton_common
 
     return triton_common.INTERPRET
 

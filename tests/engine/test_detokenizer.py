@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from quickdraft.engine.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello, world! This is a plain sentence.",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import InvalidRequestError, LLMEngine
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import InvalidRequestError, LLMEngine
+from quickdraft.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

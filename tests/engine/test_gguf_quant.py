@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from engine import gguf_quant, loader
+from quickdraft.engine import gguf_quant, loader
 
 
 def _random_blocks(kind: GGMLQuantizationType, rows: int, k: int, seed: int) -> np.ndarray:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ConfigError, EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.step_plan import StepPlan
-from kernels import cpu_attention, cpu_int4
+from quickdraft.engine.config import ConfigError, EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.step_plan import StepPlan
+from quickdraft.kernels import cpu_attention, cpu_int4
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (cpu_int4.available() and cpu_attention.available()),

@@ -5,10 +5,10 @@ rejected drafts never cached, nothing leaked after abort."""
 
 from __future__ import annotations
 
-from engine.kv_cache import KVCacheManager, hash_block
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from quickdraft.engine.kv_cache import KVCacheManager, hash_block
+from quickdraft.engine.request import Request
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.engine.scheduler import Scheduler
 
 BS = 4
 

@@ -27,8 +27,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from engine import loader
-from engine.loader import (
+from quickdraft.engine import loader
+from quickdraft.engine.loader import (
     COMPLETE_MARKER,
     SUPPORTED_ARCHITECTURES,
     ModelLoadError,

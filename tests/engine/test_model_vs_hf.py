@@ -14,11 +14,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from engine.kv_cache import KVCacheManager
-from engine.models.llama import LlamaForCausalLM as OurModel
-from engine.models.rope import compute_inv_freq
-from kernels import torch_attention
-from kernels.attention_metadata import build_metadata
+from quickdraft.engine.kv_cache import KVCacheManager
+from quickdraft.engine.models.llama import LlamaForCausalLM as OurModel
+from quickdraft.engine.models.rope import compute_inv_freq
+from quickdraft.kernels import torch_attention
+from quickdraft.kernels.attention_metadata import build_metadata
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               max_position_embeddings=256)

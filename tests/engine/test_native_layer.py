@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from engine.models.llama import LlamaForCausalLM
-from kernels import cpu_gemv, cpu_int4, cpu_layer, torch_attention
-from kernels.attention_metadata import build_metadata
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.kernels import cpu_gemv, cpu_int4, cpu_layer, torch_attention
+from quickdraft.kernels.attention_metadata import build_metadata
 
 pytestmark = pytest.mark.skipif(not (cpu_layer.available() and cpu_int4.available()),
                                 reason="needs g++, the C kernels and torch's CPU int4 ops")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from engine.kv_cache import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from quickdraft.engine.kv_cache import KVCacheManager
+from quickdraft.engine.request import Request, RequestStatus
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.engine.scheduler import Scheduler
 
 INTERACTIVE, BACKGROUND = 0, 10
 

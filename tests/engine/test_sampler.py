@@ -8,14 +8,14 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sampler import (
+from quickdraft.engine.sampler import (
     SamplingBatch,
     apply_penalties,
     apply_temperature_and_filters,
     sample,
     sample_from_probs,
 )
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from engine import step_plan
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.step_plan import StepPlan, plan_step
+from quickdraft.engine import step_plan
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.engine.scheduler import ScheduledRequest, SchedulerOutput
+from quickdraft.engine.step_plan import StepPlan, plan_step
 
 BLOCK = 4
 

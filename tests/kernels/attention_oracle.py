@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_metadata import AttentionMetadata
+from quickdraft.kernels.attention_metadata import AttentionMetadata
 
 
 def _context_kv(kv_cache: torch.Tensor, table: torch.Tensor, ctx: int,

@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.attention_metadata import MetadataLayout, build_metadata, fill_packed, unpack
+from quickdraft.kernels.attention_metadata import (
+    MetadataLayout,
+    build_metadata,
+    fill_packed,
+    unpack,
+)
 
 QSL = [0, 3, 4, 9]  # a verification (3 rows), a decode, a prefill chunk of 5
 SEQ_LENS = [10, 6, 5]

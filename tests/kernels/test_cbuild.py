@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from kernels import cbuild, cpu_attention, cpu_fused, cpu_gemv
+from quickdraft.kernels import cbuild, cpu_attention, cpu_fused, cpu_gemv
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
 

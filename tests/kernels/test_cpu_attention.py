@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels import cpu_attention, torch_attention
-from kernels.attention_metadata import build_metadata
+from quickdraft.kernels import cpu_attention, torch_attention
+from quickdraft.kernels.attention_metadata import build_metadata
 from tests.kernels import attention_oracle as oracle
 
 needs_kernel = pytest.mark.skipif(

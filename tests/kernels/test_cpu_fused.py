@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused, torch_ops
+from quickdraft.kernels import cpu_fused, torch_ops
 from tests.kernels import sum_order_oracle
 
 needs_kernel = pytest.mark.skipif(

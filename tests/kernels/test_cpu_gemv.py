@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemv
+from quickdraft.kernels import cpu_gemv
 
 needs_kernel = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not installed")
 

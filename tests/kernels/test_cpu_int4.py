@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_int4
+from quickdraft.kernels import cpu_int4
 
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="no CPU int4 ops in torch")
 

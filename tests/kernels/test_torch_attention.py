@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from kernels.attention_metadata import build_metadata
-from kernels.torch_attention import paged_attention, write_kv
+from quickdraft.kernels.attention_metadata import build_metadata
+from quickdraft.kernels.torch_attention import paged_attention, write_kv
 from tests.kernels.attention_oracle import naive_attention
 
 

@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import torch_attention
-from kernels import triton_attention as ta
-from kernels.attention_metadata import build_metadata
+from quickdraft.kernels import torch_attention
+from quickdraft.kernels import triton_attention as ta
+from quickdraft.kernels.attention_metadata import build_metadata
 from tests.kernels.attention_oracle import naive_attention
 
 if ta.interpreting():
@@ -203,8 +203,8 @@ def test_plugs_in_as_the_model_backend():
     Not wiring: the engine still only selects the torch path."""
     from transformers import LlamaConfig
 
-    from engine.models.llama import LayerOps, LlamaForCausalLM
-    from kernels import triton_ops
+    from quickdraft.engine.models.llama import LayerOps, LlamaForCausalLM
+    from quickdraft.kernels import triton_ops
 
     config = LlamaConfig(vocab_size=97, hidden_size=384, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,

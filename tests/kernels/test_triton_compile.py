@@ -32,7 +32,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_attention as ta, triton_ops as ops, triton_rejection as tr
+from quickdraft.kernels import triton_attention as ta, triton_ops as ops, triton_rejection as tr
 
 assert not ta.interpreting()
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")

@@ -19,7 +19,7 @@ pytestmark = [
 
 triton = pytest.importorskip("triton")
 
-from kernels.attention_metadata import build_metadata  # noqa: E402
+from quickdraft.kernels.attention_metadata import build_metadata  # noqa: E402
 from tests.kernels.attention_oracle import naive_attention  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -44,7 +44,7 @@ def _random_step(q_lens, ctx_lens, block_size, heads, kv_heads, dim, dtype, seed
 @pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (32, 4, 128), (9, 3, 64)])
 @pytest.mark.parametrize("splits", [1, None])
 def test_large_mixed_steps(block_size, heads, kv_heads, dim, splits):
-    from kernels import triton_attention as ta
+    from quickdraft.kernels import triton_attention as ta
 
     rng = random.Random(block_size + heads)
     q_lens = [1] * 24 + [5] * 8 + [rng.randint(20, 300) for _ in range(3)]
@@ -59,7 +59,7 @@ def test_large_mixed_steps(block_size, heads, kv_heads, dim, splits):
 
 
 def test_long_context_split_kv_at_batch_one():
-    from kernels import triton_attention as ta
+    from quickdraft.kernels import triton_attention as ta
 
     query, kv_cache, qsl, ctx, tables = _random_step([1], [16000], 16, 32, 8, 128, BF16)
     meta = build_metadata(qsl, ctx, tables, 16, "cuda")
@@ -70,8 +70,8 @@ def test_long_context_split_kv_at_batch_one():
 
 
 def test_write_kv_and_small_ops_match_their_references():
-    from kernels import torch_attention, torch_ops, triton_ops
-    from kernels import triton_attention as ta
+    from quickdraft.kernels import torch_attention, torch_ops, triton_ops
+    from quickdraft.kernels import triton_attention as ta
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(257, 4096, generator=gen).to(BF16).cuda()
@@ -97,7 +97,7 @@ def test_write_kv_and_small_ops_match_their_references():
 def test_verification_rows_equal_decode_rows():
     """Row invariance (what makes bf16 speculation lossless on the CPU kernels): attention of
     a k+1-token verification row vs the same query decoded alone, same tile config."""
-    from kernels import triton_attention as ta
+    from quickdraft.kernels import triton_attention as ta
 
     query, kv_cache, qsl, ctx, tables = _random_step([5], [300], 16, 32, 8, 128, BF16)
     meta = build_metadata(qsl, ctx, tables, 16, "cuda")

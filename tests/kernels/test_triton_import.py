@@ -11,10 +11,10 @@ _SCRIPT = """
 import sys
 sys.modules["triton"] = None  # import triton -> ImportError
 import torch
-from kernels import triton_attention as ta, triton_common as tc, triton_ops as ops
-from kernels import triton_rejection as tr
-from engine.backend import select_backend
-from engine.config import EngineConfig
+from quickdraft.kernels import triton_attention as ta, triton_common as tc, triton_ops as ops
+from quickdraft.kernels import triton_rejection as tr
+from quickdraft.engine.backend import select_backend
+from quickdraft.engine.config import EngineConfig
 assert not ta.available() and not ops.available() and not tc.available()
 assert not tr.available()
 # auto falls back to the torch path; forcing triton is a clear error

@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import torch_ops
-from kernels import triton_ops as ops
+from quickdraft.kernels import torch_ops
+from quickdraft.kernels import triton_ops as ops
 
 if ops.INTERPRET:
     DEVICE = "cpu"

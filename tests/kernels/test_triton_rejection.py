@@ -20,10 +20,10 @@ pytest.importorskip("triton")
 
 from scipy.stats import chisquare
 
-from engine.sampler import SamplingBatch, apply_temperature_and_filters
-from engine.sampling_params import SamplingParams
-from kernels import triton_rejection as tr
-from spec import rejection_sampler as ref
+from quickdraft.engine.sampler import SamplingBatch, apply_temperature_and_filters
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.kernels import triton_rejection as tr
+from quickdraft.spec import rejection_sampler as ref
 
 if tr.INTERPRET:
     DEVICE = "cpu"

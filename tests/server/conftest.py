@@ -17,12 +17,12 @@ import orjson
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
-from engine.async_engine import AsyncLLM
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from server.gateway import EngineFactory, Gateway
-from server.runner import GatewayServer, build_server
-from server.settings import ServerSettings
+from quickdraft.engine.async_engine import AsyncLLM
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.server.gateway import EngineFactory, Gateway
+from quickdraft.server.runner import GatewayServer, build_server
+from quickdraft.server.settings import ServerSettings
 
 ENGINE_KW: dict[str, Any] = dict(dtype="float32", num_threads=1, num_kv_blocks=256,
                                  block_size=16, max_num_batched_tokens=128)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from server.batch_store import BatchStore
-from server.batch_worker import (
+from quickdraft.server.batch_store import BatchStore
+from quickdraft.server.batch_worker import (
     CHAT_ENDPOINT,
     BatchInputError,
     detect_endpoint,
@@ -170,9 +170,9 @@ def test_bad_lines_are_refused_one_by_one():
 
 
 def test_batch_settings_and_serve_flags(tmp_path, monkeypatch):
-    from server.cli import build_parser
-    from server.serve import serve_settings
-    from server.settings import ServerSettings, SettingsError
+    from quickdraft.server.cli import build_parser
+    from quickdraft.server.serve import serve_settings
+    from quickdraft.server.settings import ServerSettings, SettingsError
 
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
     s = ServerSettings()

@@ -13,12 +13,12 @@ from typing import Any
 import orjson
 import pytest
 
-from engine.async_engine import AsyncLLM
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from server.batch_store import BatchStore
-from server.batch_worker import CHAT_ENDPOINT, BatchWorker, LocalLink
-from server.errors import model_loading
+from quickdraft.engine.async_engine import AsyncLLM
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.server.batch_store import BatchStore
+from quickdraft.server.batch_worker import CHAT_ENDPOINT, BatchWorker, LocalLink
+from quickdraft.server.errors import model_loading
 from tests.server.conftest import ENGINE_KW
 
 MODEL = "tiny"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.sampling_params import SamplingParams
 
 STATS = re.compile(r"\[(\d+) tokens, TTFT \d+ ms, [\d.]+ tok/s(?:, speculation [^\]]*)?\]")
 
@@ -27,7 +27,7 @@ def quickdraft_cmd() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("quickdraft")
-    return [found] if found else [sys.executable, "-m", "server.cli"]
+    return [found] if found else [sys.executable, "-m", "quickdraft"]
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

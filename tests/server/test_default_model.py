@@ -26,9 +26,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def real(default_model_dir) -> Iterator[Served]:
-    from engine.async_engine import AsyncLLM
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from quickdraft.engine.async_engine import AsyncLLM
+    from quickdraft.engine.config import EngineConfig
+    from quickdraft.engine.llm_engine import LLMEngine
 
     config = EngineConfig(model=str(default_model_dir), num_threads=1, speculation="ngram",
                           kv_cache_memory=64 << 20)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from starlette.datastructures import Headers
 
-from server.guard import key_matches, origin_allowed, presented_key, select_subprotocol
+from quickdraft.server.guard import key_matches, origin_allowed, presented_key, select_subprotocol
 
 
 @pytest.mark.parametrize(("origin", "host", "extra", "ok"), [

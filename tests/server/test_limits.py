@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.limits import Admission, ConnectionLimit, Slot
+from quickdraft.server.limits import Admission, ConnectionLimit, Slot
 
 
 def test_admission():

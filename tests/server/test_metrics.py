@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.outputs import Usage
-from server.metrics import GatewayMetrics
+from quickdraft.engine.outputs import Usage
+from quickdraft.server.metrics import GatewayMetrics
 
 
 def samples(m: GatewayMetrics) -> dict[tuple[str, tuple], float]:

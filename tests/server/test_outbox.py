@@ -3,7 +3,7 @@ numbers count sent deltas, and a response's last delta still goes out before its
 
 from __future__ import annotations
 
-from server.outbox import Outbox
+from quickdraft.server.outbox import Outbox
 
 
 def test_merge_while_queued_and_order_kept():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.outputs import Usage
-from server.errors import ProtocolError
-from server.params import (
+from quickdraft.engine.outputs import Usage
+from quickdraft.server.errors import ProtocolError
+from quickdraft.server.params import (
     PRIORITY_CLASSES,
     Fields,
     build_sampling,

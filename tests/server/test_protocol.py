@@ -9,10 +9,10 @@ from typing import Any
 import orjson
 import pytest
 
-from engine.outputs import RequestOutput, Usage
-from server.errors import ProtocolError
-from server.limits import Admission
-from server.protocol import CancelResponse, Session, StartResponse
+from quickdraft.engine.outputs import RequestOutput, Usage
+from quickdraft.server.errors import ProtocolError
+from quickdraft.server.limits import Admission
+from quickdraft.server.protocol import CancelResponse, Session, StartResponse
 
 USAGE = Usage(prompt_tokens=7, completion_tokens=3, queue_time=0.01, ttft=0.02,
               decode_time=0.03, num_spec_steps=1, num_drafted_tokens=2, num_accepted_tokens=1)

@@ -63,7 +63,7 @@ def test_http_keys(guarded):
 def test_each_api_key_is_its_own_tenant(guarded):
     """Requests carry a digest of their API key as cache_salt: the suffix proposer learns each
     key's answers in that key's partition only (and the prefix cache is keyed the same way)."""
-    from server.guard import tenant_of
+    from quickdraft.server.guard import tenant_of
 
     suffix = guarded.gateway.llm.engine.speculator.suffix
     if suffix is None:

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from server.cli import build_parser
-from server.runner import RedactKeys
-from server.serve import API_KEY_ENV, serve_settings
+from quickdraft.server.cli import build_parser
+from quickdraft.server.runner import RedactKeys
+from quickdraft.server.serve import API_KEY_ENV, serve_settings
 
 
 def settings_for(*argv: str):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from server.settings import ServerSettings, SettingsError, read_api_key_file
+from quickdraft.engine.config import EngineConfig
+from quickdraft.server.settings import ServerSettings, SettingsError, read_api_key_file
 
 
 @pytest.mark.parametrize(("kw", "word"), [

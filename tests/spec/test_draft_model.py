@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import ConfigError, EngineConfig
-from engine.llm_engine import InvalidRequestError, LLMEngine
-from engine.sampling_params import SamplingParams
-from spec.draft_model import DraftModelError, DraftOutput
-from spec.params import SpeculationParams
+from quickdraft.engine.config import ConfigError, EngineConfig
+from quickdraft.engine.llm_engine import InvalidRequestError, LLMEngine
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec.draft_model import DraftModelError, DraftOutput
+from quickdraft.spec.params import SpeculationParams
 from tests.conftest import make_tiny_model
 from tests.spec.test_spec_engine import GREEDY, PROMPTS, run_staggered
 
@@ -159,7 +159,7 @@ def test_draft_sampling_draws_from_the_distribution_it_reports():
     import torch
     from scipy.stats import chisquare
 
-    from spec.draft_model import DraftInput, DraftModelRunner
+    from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
 
     runner = DraftModelRunner(None, 4, None, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0],

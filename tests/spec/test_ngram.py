@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spec.ngram import NgramProposer, propose_ngram, propose_ngram_reference
+from quickdraft.spec.ngram import NgramProposer, propose_ngram, propose_ngram_reference
 
 
 def propose(tokens: list[int], min_n: int = 1, max_n: int = 3, k: int = 3) -> list[int]:

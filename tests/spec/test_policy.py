@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec.policy import AcceptanceTracker, SpeculationPolicy, StepCost, measure_step_cost
+from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy, StepCost, measure_step_cost
 
 
 def test_step_cost_interpolates_and_extrapolates():

@@ -6,9 +6,9 @@ import pytest
 import torch
 from scipy.stats import binomtest, chisquare
 
-from engine.sampler import SamplingBatch, apply_temperature_and_filters, sample
-from engine.sampling_params import SamplingParams
-from spec.rejection_sampler import VerifyOutput, rejection_sample, supports_speculation
+from quickdraft.engine.sampler import SamplingBatch, apply_temperature_and_filters, sample
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec.rejection_sampler import VerifyOutput, rejection_sample, supports_speculation
 
 GREEDY = SamplingParams(temperature=0.0)
 

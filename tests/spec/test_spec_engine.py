@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from spec.params import SpeculationParams
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec.params import SpeculationParams
 
 PROMPTS = [
     "Repeat after me: the quick brown fox jumps over the lazy dog. " * 3,
@@ -134,7 +134,7 @@ def test_bf16_greedy_equal_with_and_without_ngram(tiny_model_dir):
     """bf16 too: verification runs each query row through exactly the arithmetic of a decode
     step (row-invariant GEMV, fused ops and ragged attention kernels), so drafts change
     nothing. (Where the C kernels are unavailable, the torch path is not row-invariant.)"""
-    from kernels import cpu_attention, cpu_gemv
+    from quickdraft.kernels import cpu_attention, cpu_gemv
 
     if not (cpu_attention.available() and cpu_gemv.available()):
         pytest.skip("CPU kernels not built here")

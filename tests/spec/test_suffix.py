@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from spec import suffix_tree
-from spec.suffix import SuffixConfig, SuffixProposer
+from quickdraft.engine.request import Request
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec import suffix_tree
+from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from tests.spec.test_spec_engine import GREEDY, PROMPTS, make_engine, run_staggered
 
 pytestmark = pytest.mark.skipif(not suffix_tree.available(), reason="needs gcc")

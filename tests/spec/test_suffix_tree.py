@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from spec import suffix_tree
+from quickdraft.spec import suffix_tree
 from tests.spec.suffix_tree_reference import ReferenceSuffixTree
 
 pytestmark = pytest.mark.skipif(not suffix_tree.available(), reason="needs gcc")

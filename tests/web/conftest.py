@@ -35,7 +35,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m server.cli serve`` on 127.0.0.1:port with the default model; restartable on
+    """``python -m quickdraft serve`` on 127.0.0.1:port with the default model; restartable on
     the same port (the reconnect test kills it and starts it again)."""
 
     def __init__(self, port: int, workdir: Path, *extra: str) -> None:
@@ -52,7 +52,7 @@ class ServerProcess:
     def start(self, wait: bool = True) -> None:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
+            [sys.executable, "-m", "quickdraft", "serve", "--host", "127.0.0.1",
              "--port", str(self.port), "--log-level", "warning",
              "--batch-db", str(self.workdir / f"batches-{self.port}.sqlite3"), *self.extra],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

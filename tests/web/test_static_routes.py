@@ -12,8 +12,8 @@ import pytest
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from server.app import create_app
-from server.settings import ServerSettings
+from quickdraft.server.app import create_app
+from quickdraft.server.settings import ServerSettings
 
 WEB = Path(__file__).resolve().parents[2] / "web"
 KEY = "static-test-key-1"
