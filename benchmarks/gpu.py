@@ -649,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
+    dtype = getattr(torch, args.dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     info = {**machine_info(), "gpu": gpu_info(device),
             "command": shlex.join(["python", "benchmarks/gpu.py", *args.argv])}

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SPECULATION_METHODS = ("off", "ngram", "suffix", "draft", "combined")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 WEIGHT_FORMATS = ("auto", "int4", "dense")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Names of torch dtypes (this module stays torch-free: the CLI imports it for --help).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -114,4 +117,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype

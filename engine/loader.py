@@ -35,6 +35,8 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
+from quickdraft.engine.model_names import canonical_model
+
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 _MODEL_TYPE_TO_ARCH = MappingProxyType(
     {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -96,6 +98,8 @@ def resolve_model(
     """
     if isinstance(spec, str) and not spec.strip():
         raise ModelLoadError("empty model spec: pass a model directory, a .gguf file or None")
+    if isinstance(spec, str):
+        spec = canonical_model(spec)  # a served id or short name (SmolLM2-135M-Instruct, ...)
     if isinstance(spec, str) and (named := _fetched_by_name(spec)) is not None:
         return named
     path = default_gguf_path() if spec is None or spec == "default" else Path(spec).expanduser()

@@ -4,8 +4,10 @@ A kernel's shared library lands in ``$QUICKDRAFT_CACHE/kernels`` (default
 ``~/.cache/quickdraft/kernels``) as ``<name>-<hash of source and flags>.so``: written to a temp
 file and ``os.replace``d into place, older builds of the same kernel removed. The source goes
 through stdin so what is built is exactly what was hashed. Loading never raises: without gcc,
-without the CPU features or on a failed build it logs one warning and returns None, and the
-caller falls back to its torch reference.
+without the CPU features, without the source (a broken install) or on a failed build it logs
+one ERROR and returns None, and the caller falls back to its torch reference, which is several
+times slower. :func:`status` says which kernels loaded and why the others did not (``/health``
+shows it, ``quickdraft serve`` prints it at start-up).
 """
 
 from __future__ import annotations
@@ -21,6 +23,26 @@ import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+# kernel name -> "ok" or why it is not available. Written by load() and record(), read by
+# status(); kernels load once per process (their modules cache the result).
+_STATUS: dict[str, str] = {}
+
+
+def record(name: str, problem: str | None) -> None:
+    """Note that ``name`` loaded (``problem`` None) or why not (logged once as an ERROR: the
+    torch fallback it leaves is a slow path nobody asked for)."""
+    if problem is None:
+        _STATUS[name] = "ok"
+        return
+    if _STATUS.get(name) != problem:
+        log.error("%s: %s; the torch fallback runs instead (slower)", name, problem)
+    _STATUS[name] = problem
+
+
+def status() -> dict[str, str]:
+    """Every native kernel this process tried to load: ``"ok"`` or why not."""
+    return dict(_STATUS)
 
 
 def cache_dir() -> Path:
@@ -69,24 +91,24 @@ def build(name: str, source: bytes, cflags: tuple[str, ...], cc: str, *, lang: s
 
 def load(name: str, source: Path, cflags: tuple[str, ...],
          cpu_flags: frozenset[str]) -> ctypes.CDLL | None:
-    """Build if needed and load; None (with one warning) when that is impossible.
+    """Build if needed and load; None (with one error logged) when that is impossible.
 
     CDLL, not PyDLL: the GIL is released during calls. torch is imported first, so the
     library's libgomp.so.1 resolves to torch's and both share one OpenMP thread pool.
     """
+    problem: str
     try:
         if not cpu_has(cpu_flags):
-            log.warning("%s: CPU lacks %s; using the torch reference", name, sorted(cpu_flags))
-            return None
-        cc = shutil.which("gcc")
-        if cc is None:
-            log.warning("%s: gcc not found; using the torch reference", name)
-            return None
-        return ctypes.CDLL(str(build(name, source.read_bytes(), cflags, cc)))
+            problem = f"CPU lacks {sorted(cpu_flags)}"
+        elif (cc := shutil.which("gcc")) is None:
+            problem = "gcc not found"
+        else:
+            lib = ctypes.CDLL(str(build(name, source.read_bytes(), cflags, cc)))
+            record(name, None)
+            return lib
     except subprocess.CalledProcessError as e:
-        log.warning("%s: build failed, using the torch reference:\n%s", name,
-                    e.stderr.decode(errors="replace"))
+        problem = f"build failed:\n{e.stderr.decode(errors='replace')[-2000:]}"
     except Exception as e:
-        log.warning("%s: unavailable (%s: %s); using the torch reference", name,
-                    type(e).__name__, e)
+        problem = f"unavailable ({type(e).__name__}: {e})"
+    record(name, problem)
     return None

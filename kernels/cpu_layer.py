@@ -48,30 +48,30 @@ def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=1)
 def _load() -> bool:
-    """Build (if needed), load and hand the C kernels over; False, with one warning, when
-    impossible."""
+    """Build (if needed), load and hand the C kernels over; False, with one error logged,
+    when impossible (the decoder layers then run in Python, calling the C kernels)."""
     try:
         fused, attention = cpu_fused.native_entry_points(), cpu_attention.native_entry_points()
-        if fused is None or attention is None:
-            log.warning("cpu_layer: the C kernels are not available; Python layers")
-            return False
         gxx = shutil.which("g++")
-        if gxx is None:
-            log.warning("cpu_layer: g++ not found; Python layers")
-            return False
-        cflags, ldflags = _flags()
-        path = cbuild.build("cpu_layer", _SOURCE.read_bytes(), cflags, gxx, lang="c++",
-                            ldflags=ldflags)
-        torch.ops.load_library(str(path))
-        torch.ops.quickdraft_cpu.set_cpu_kernels(
-            fused["rms_norm"], fused["rope"], fused["silu_mul"], attention["write_attend"],
-            fused["vec_block"], fused["parallel_rows"])
-        return True
+        if fused is None or attention is None:
+            problem = "the C kernels it calls are not available"
+        elif gxx is None:
+            problem = "g++ not found"
+        else:
+            cflags, ldflags = _flags()
+            path = cbuild.build("cpu_layer", _SOURCE.read_bytes(), cflags, gxx, lang="c++",
+                                ldflags=ldflags)
+            torch.ops.load_library(str(path))
+            torch.ops.quickdraft_cpu.set_cpu_kernels(
+                fused["rms_norm"], fused["rope"], fused["silu_mul"],
+                attention["write_attend"], fused["vec_block"], fused["parallel_rows"])
+            cbuild.record("cpu_layer", None)
+            return True
     except subprocess.CalledProcessError as e:
-        log.warning("cpu_layer: build failed, Python layers:\n%s",
-                    e.stderr.decode(errors="replace")[-2000:])
+        problem = f"build failed:\n{e.stderr.decode(errors='replace')[-2000:]}"
     except Exception as e:
-        log.warning("cpu_layer: unavailable (%s: %s); Python layers", type(e).__name__, e)
+        problem = f"unavailable ({type(e).__name__}: {e})"
+    cbuild.record("cpu_layer", problem)
     return False
 
 

@@ -1,6 +1,8 @@
 """``python -m quickdraft``: the same command line as the ``quickdraft`` script."""
 
+import sys
+
 from quickdraft.server.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -92,10 +92,25 @@ async def health(request: Request) -> Response:
     threads = getattr(engine, "threads", None)
     if threads is not None:  # CPU threads per step, and the load that chose them
         body["threads"] = threads.describe()
+    if native := native_kernels(engine):  # "ok", or why a kernel fell back to torch
+        body["native_kernels"] = native
+        if missing := sorted(k for k, v in native.items() if v != "ok"):
+            body["errors"] = [f"native kernel {k} unavailable: the slow torch fallback runs"
+                              for k in missing]
     if gw.error:
         body["error"] = gw.error
     ready = gw.status == "ready" and gw.llm is not None and gw.llm.is_running
     return JSONResponse(body, 200 if ready else 503)
+
+
+def native_kernels(engine: Any) -> dict[str, str]:
+    """The CPU path's native kernels and their state; empty off the CPU."""
+    backend = getattr(engine, "backend", None)
+    if backend is None or backend.device.type != "cpu":
+        return {}
+    from quickdraft.kernels import cbuild
+
+    return cbuild.status()
 
 
 async def metrics(request: Request) -> Response:

