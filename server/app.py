@@ -44,6 +44,7 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
     # --- end batch jobs ---
     # --- browser chat UI (web/, docs/web.md): "/" and /static/*; open without an API key (the
     # page asks for one when /v1/ws closes with 1008). CSP: only this server's scripts run. ---
+    import logging
     import re
     from pathlib import Path
 
@@ -63,6 +64,9 @@ def create_app(settings: ServerSettings, engine_factory: EngineFactory | None = 
                 "Content-Security-Policy": csp, "Cache-Control": "no-cache",
                 "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"})
         routes += [Route("/", chat_page), Mount("/static", StaticFiles(directory=web_dir))]
+    else:  # a broken install: say so instead of a quiet 404 at /
+        logging.getLogger(__name__).error("the web UI is missing (%s); / is not served",
+                                          web_dir / "index.html")
     # --- end browser chat UI ---
     middleware = [
         Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
