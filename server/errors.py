@@ -55,6 +55,27 @@ def unsupported(param: str, message: str) -> ProtocolError:
     return ProtocolError("unsupported_parameter", f"{param}: {message}", param)
 
 
+def unknown(param: str, where: str | None = None, use: str | None = None) -> ProtocolError:
+    """A field its object does not define. With ``where`` (the event) the message names the
+    field within it, with ``use`` the field meant, when that is clear:
+    "unknown field 'max_tokens' in response.create — use max_output_tokens"."""
+    name = param.rsplit(".", 1)[-1]
+    message = f"unknown field {name!r} in {where}" if where else f"unknown field {param!r}"
+    if use:
+        message += f" — use {use}"
+    return ProtocolError("unknown_parameter", message, param)
+
+
+def model_not_found(name: str, param: str = "model") -> ProtocolError:
+    return ProtocolError("model_not_found", f"The model {name!r} does not exist; see "
+                         "/v1/models", param, status=404)
+
+
+def empty_conversation(param: str, message: str) -> ProtocolError:
+    """Nothing to answer: no message (HTTP) or no conversation item nor instructions."""
+    return ProtocolError("empty_conversation", message, param)
+
+
 def from_engine(exc: InvalidParameterError, prefix: str = "",
                 rename: dict[str, str] | None = None) -> ProtocolError:
     """An engine-side validation error, its field renamed to the API's name and path."""

@@ -23,20 +23,31 @@ from starlette.types import Receive, Scope, Send
 from quickdraft.engine.async_engine import AsyncLLM, EngineDeadError
 from quickdraft.engine.outputs import RequestOutput
 from quickdraft.engine.sampling_params import InvalidParameterError
-from quickdraft.server.errors import ProtocolError, engine_failed, invalid, unsupported, wrong_type
+from quickdraft.server.errors import (
+    ProtocolError,
+    empty_conversation,
+    engine_failed,
+    invalid,
+    model_not_found,
+    unsupported,
+    wrong_type,
+)
 from quickdraft.server.gateway import Gateway
 from quickdraft.server.guard import tenant
 from quickdraft.server.limits import Slot
 from quickdraft.server.openai_format import DONE, CompletionFormat, sse
 from quickdraft.server.params import (
+    CHAT_ROLES,
     JSON,
+    UNSUPPORTED_FIELDS,
     Fields,
     build_sampling,
     cache_namespace,
+    check_model,
     fit_max_tokens,
     read_cache_salt,
-    read_content,
     read_max_tokens,
+    read_message,
     read_priority,
     read_sampling,
     read_speculation,
@@ -44,9 +55,6 @@ from quickdraft.server.params import (
 from quickdraft.spec.params import SpeculationParams
 
 T = TypeVar("T")
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant"}
-UNSUPPORTED = ("tools", "functions", "audio", "prediction", "suffix")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -107,18 +115,13 @@ async def get_model(request: Request) -> Response:
     gw = gateway(request)
     llm = gw.engine()
     if request.path_params["model"] != gw.model_name:
-        raise _model_not_found(request.path_params["model"])
+        raise model_not_found(request.path_params["model"])
     return JSONResponse(_model_card(gw, llm))
 
 
 def _model_card(gw: Gateway, llm: AsyncLLM) -> JSON:
     return {"id": gw.model_name, "object": "model", "created": gw.created,
             "owned_by": "quickdraft", "max_model_len": llm.engine.max_model_len}
-
-
-def _model_not_found(name: str) -> ProtocolError:
-    return ProtocolError("model_not_found", f"The model {name!r} does not exist; see "
-                         "/v1/models", "model", status=404)
 
 
 # ---------------------------------------------------------------------- parsing
@@ -145,13 +148,11 @@ async def read_json(request: Request, limit: int) -> JSON:
 
 
 def parse_options(f: Fields, model_name: str, *, chat: bool) -> Options:
-    model = f.string("model")
-    if model is not None and model != model_name:
-        raise _model_not_found(model)
+    check_model(f, model_name)
     for key in ("n", "best_of"):
         if f.get(key, "int") not in (None, 1):
             raise unsupported(key, "only 1 is supported")
-    for key in UNSUPPORTED:
+    for key in UNSUPPORTED_FIELDS:
         if f.has(key):
             raise unsupported(key, "not supported by this server")
     if f.has("logit_bias") and f.obj["logit_bias"]:
@@ -192,19 +193,13 @@ def parse_messages(f: Fields) -> list[dict[str, str]]:
     raw = f.obj.get("messages")
     if raw is None:
         raise ProtocolError("missing_required_parameter", "messages is required", "messages")
-    if not isinstance(raw, list) or not raw:
+    if not isinstance(raw, list):
         raise wrong_type("messages", "a non-empty list of messages")
+    if not raw:
+        raise empty_conversation("messages", "messages is empty; send at least one message")
     messages = []
     for i, value in enumerate(raw):
-        m = Fields(value, f"messages[{i}]")
-        role = m.string("role", required=True) or ""
-        if role not in CHAT_ROLES:
-            raise unsupported(m.param("role"), f"role {role!r} is not supported; use one of "
-                              f"{sorted(CHAT_ROLES)}")
-        if m.has("tool_calls") or m.has("function_call"):
-            raise unsupported(m.param("tool_calls"), "tool calls are not supported")
-        content = m.obj.get("content")
-        text = "" if content is None else read_content(content, m.param("content"))
+        role, text = read_message(Fields(value, f"messages[{i}]"))
         messages.append({"role": CHAT_ROLES[role], "content": text})
     return messages
 
@@ -220,6 +215,8 @@ def parse_prompt(f: Fields) -> str | list[int]:
         return list(prompt)
     if prompt is None:
         raise ProtocolError("missing_required_parameter", "prompt is required", "prompt")
+    if prompt == []:
+        raise invalid("prompt", "the prompt is empty")  # as the engine says of ""
     if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
         raise unsupported("prompt", "batched prompts are not supported; send one per request")
     raise wrong_type("prompt", "a string or a non-empty list of token ids")

@@ -4,7 +4,7 @@ OpenAI-compatible HTTP API."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from quickdraft.engine.outputs import Usage
@@ -15,6 +15,8 @@ from quickdraft.server.errors import (
     invalid,
     join_path,
     missing,
+    model_not_found,
+    unknown,
     unsupported,
     wrong_type,
 )
@@ -32,6 +34,15 @@ SAMPLING_FIELDS = {
     "ignore_eos": "bool",
 }
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
+# Message role -> the role the chat template sees ("developer" is OpenAI's newer "system").
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
+              "assistant": "assistant"}
+# Roles OpenAI defines that need tool calling, which this server does not do.
+TOOL_ROLES = ("tool", "function")
+# Message fields of tool calling: refused as unsupported, never silently dropped.
+TOOL_CALL_FIELDS = ("tool_calls", "function_call")
+# OpenAI request fields for features this server does not have, refused whatever their value.
+UNSUPPORTED_FIELDS = ("tools", "functions", "audio", "prediction", "suffix")
 
 
 class Fields:
@@ -49,13 +60,14 @@ class Fields:
     def has(self, key: str) -> bool:
         return self.obj.get(key) is not None
 
-    def only(self, allowed: Iterable[str]) -> None:
-        """Refuse fields this object does not know (a typo must not be silently ignored)."""
+    def only(self, allowed: Iterable[str], *, where: str | None = None,
+             renamed: Mapping[str, str] | None = None) -> None:
+        """Refuse fields this object does not know (a typo must not be silently ignored);
+        ``renamed`` maps names people try to the field meant, for the message."""
         known = set(allowed)
         for key in self.obj:
             if key not in known:
-                raise ProtocolError("unknown_parameter", f"unknown field {self.param(key)!r}",
-                                    self.param(key))
+                raise unknown(self.param(key), where, (renamed or {}).get(key))
 
     def get(self, key: str, kind: str, *, required: bool = False) -> Any:
         value = self.obj.get(key)
@@ -217,6 +229,37 @@ def read_content(value: Any, param: str) -> str:
             raise unsupported(p.param("type"), f"only text parts are supported, got {kind!r}")
         texts.append(p.string("text", required=True) or "")
     return "".join(texts)
+
+
+def read_role(m: Fields) -> str:
+    """A message's role, one of :data:`CHAT_ROLES`; a tool-calling role is unsupported, any
+    other name invalid."""
+    role = m.string("role", required=True) or ""
+    if role in TOOL_ROLES:
+        raise unsupported(m.param("role"), f"role {role!r} needs tool calling, which this "
+                          f"server does not support; use one of {sorted(CHAT_ROLES)}")
+    if role not in CHAT_ROLES:
+        raise invalid(m.param("role"), f"must be one of {sorted(CHAT_ROLES)}, got {role!r}")
+    return role
+
+
+def read_message(m: Fields) -> tuple[str, str]:
+    """(role, text) of a chat message or conversation item: the same checks, in the same order,
+    for the HTTP API and the WebSocket."""
+    role = read_role(m)
+    for key in TOOL_CALL_FIELDS:
+        if m.has(key):
+            raise unsupported(m.param(key), "tool calls are not supported")
+    if not m.has("content"):
+        raise missing(m.param("content"))
+    return role, read_content(m.obj["content"], m.param("content"))
+
+
+def check_model(f: Fields, served: str, key: str = "model") -> None:
+    """``model`` is optional, but when given it must name the served model."""
+    name = f.string(key)
+    if name is not None and name != served:
+        raise model_not_found(name, f.param(key))
 
 
 def fit_max_tokens(prompt_len: int, requested: int | None, max_model_len: int, *,

@@ -11,7 +11,7 @@ gap-free) and never holds up the engine. Tokenization and generation happen outs
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,18 +19,27 @@ import orjson
 
 from quickdraft.engine.outputs import RequestOutput, Usage
 from quickdraft.engine.sampling_params import SamplingParams
-from quickdraft.server.errors import ProtocolError, invalid, missing, rate_limited
+from quickdraft.server.errors import (
+    ProtocolError,
+    empty_conversation,
+    invalid,
+    rate_limited,
+    unsupported,
+)
 from quickdraft.server.events import error_event, outcome, response_done
 from quickdraft.server.limits import Admission
 from quickdraft.server.outbox import Outbox
 from quickdraft.server.params import (
+    CHAT_ROLES,
     JSON,
     SAMPLING_FIELDS,
+    UNSUPPORTED_FIELDS,
     Fields,
     build_sampling,
+    check_model,
     read_cache_salt,
-    read_content,
     read_max_tokens,
+    read_message,
     read_priority,
     read_sampling,
     read_speculation,
@@ -39,8 +48,26 @@ from quickdraft.server.params import (
 from quickdraft.spec.params import SpeculationParams
 
 SESSION_FIELDS = ("instructions", "max_output_tokens", "speculation", *SAMPLING_FIELDS)
-RESPONSE_FIELDS = (*SESSION_FIELDS, "priority", "conversation", "cache_salt")
-ROLES = ("user", "assistant", "system")
+RESPONSE_FIELDS = (*SESSION_FIELDS, "model", "priority", "conversation", "cache_salt")
+ITEM_FIELDS = ("id", "type", "role", "content")
+# OpenAI request fields the WebSocket has no equivalent for: unsupported_parameter whatever
+# their value, as the HTTP API refuses them (n or best_of above 1, echo, top_logprobs, ...).
+OPENAI_ONLY_FIELDS = (*UNSUPPORTED_FIELDS, "n", "best_of", "echo", "logit_bias", "logprobs",
+                      "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls",
+                      "function_call")
+_AS_ITEMS = "conversation.item.create events (one per message) before response.create"
+# Names from OpenAI's HTTP APIs that response.create and session.update do not take -> the
+# field (or event) meant, named in the unknown_parameter message (docs/protocol.md).
+RENAMED = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "max_response_output_tokens": "max_output_tokens",  # the Realtime API's session field
+    "messages": _AS_ITEMS,
+    "input": _AS_ITEMS,
+    "prompt": _AS_ITEMS,
+    "system": "instructions",
+    "system_prompt": "instructions",
+}
 MAX_ID_LEN = 128
 CHARS_PER_TOKEN_BOUND = 32  # a conversation longer than context * this can never be answered
 
@@ -176,10 +203,12 @@ class Session:
         return handler
 
     def _session_update(self, ev: Fields, event_id: str | None) -> list[Command]:
-        ev.only(("type", "event_id", "session"))
+        _check_fields(ev, ("type", "event_id", "session"), "session.update",
+                      _SESSION_EVENT_HINTS)
         s = ev.child("session", required=True)
         assert s is not None
-        s.only(SESSION_FIELDS)
+        _check_fields(s, (*SESSION_FIELDS, "model"), "session.update", RENAMED)
+        check_model(s, self.model)
         d, raw = self._defaults, s.obj  # a field given as null resets it to the default
         instructions = s.string("instructions", max_len=self._max_chars) \
             if "instructions" in raw else d.instructions
@@ -196,17 +225,13 @@ class Session:
         return []
 
     def _item_create(self, ev: Fields, event_id: str | None) -> list[Command]:
-        ev.only(("type", "event_id", "item"))
+        _check_fields(ev, ("type", "event_id", "item"), "conversation.item.create",
+                      _ITEM_EVENT_HINTS)
         it = ev.child("item", required=True)
         assert it is not None
-        it.only(("id", "type", "role", "content"))
         it.choice("type", ("message",))
-        role = it.choice("role", ROLES)
-        if role is None:
-            raise missing(it.param("role"))
-        if it.obj.get("content") is None:
-            raise missing(it.param("content"))
-        text = read_content(it.obj["content"], it.param("content"))
+        role, text = read_message(it)  # as a message over HTTP: the same errors
+        it.only(ITEM_FIELDS, where="conversation.item.create")
         item_id = it.string("id", max_len=MAX_ID_LEN) or new_id("item")
         if any(item.id == item_id for item in self._items):
             raise invalid(it.param("id"), f"an item with id {item_id!r} already exists")
@@ -234,9 +259,11 @@ class Session:
         raise ProtocolError("item_not_found", f"no conversation item {item_id!r}", "item_id")
 
     def _response_create(self, ev: Fields, event_id: str | None) -> list[Command]:
-        ev.only(("type", "event_id", "response"))
+        _check_fields(ev, ("type", "event_id", "response"), "response.create",
+                      _RESPONSE_EVENT_HINTS)
         r = ev.child("response") or Fields({}, "response")
-        r.only(RESPONSE_FIELDS)
+        _check_fields(r, RESPONSE_FIELDS, "response.create", RENAMED)
+        check_model(r, self.model)
         d = self._defaults
         max_tokens = read_max_tokens(r, "max_output_tokens", allow_inf=True) \
             if "max_output_tokens" in r.obj else d.max_tokens
@@ -249,8 +276,8 @@ class Session:
         append = r.choice("conversation", ("auto", "none"), "auto") == "auto"
         messages = self._messages(instructions)
         if not messages:
-            raise ProtocolError("empty_conversation", "create a conversation item (or set "
-                                "instructions) before response.create", "conversation")
+            raise empty_conversation("conversation", "create a conversation item (or set "
+                                     "instructions) before response.create")
         self._admit()
         resp = _Response(new_id("resp"), new_id("item"), event_id, append)
         self._responses[resp.id] = resp
@@ -283,7 +310,8 @@ class Session:
 
     def _messages(self, instructions: str | None) -> list[dict[str, str]]:
         system = [{"role": "system", "content": instructions}] if instructions else []
-        return system + [{"role": item.role, "content": item.text} for item in self._items]
+        return system + [{"role": CHAT_ROLES[item.role], "content": item.text}
+                         for item in self._items]
 
     # ------------------------------------------------------------------ engine side
 
@@ -368,6 +396,29 @@ class Session:
                        "max_message_size": self._max_message_size,
                        "max_conversation_items": self._max_items},
         }
+
+
+def _check_fields(f: Fields, allowed: Collection[str], event: str,
+                  hints: Mapping[str, str]) -> None:
+    """Refuse the fields ``f`` does not define: an OpenAI feature this server lacks as
+    ``unsupported_parameter`` (as the HTTP API does), any other field as ``unknown_parameter``,
+    its message naming the field meant where ``hints`` knows it."""
+    for key in f.obj:
+        if key not in allowed and key in OPENAI_ONLY_FIELDS:
+            raise unsupported(f.param(key), "not supported by this server")
+    f.only(allowed, where=event, renamed=hints)
+
+
+def _event_hints(inner: str, fields: Collection[str]) -> dict[str, str]:
+    """Hints for fields sent beside ``inner`` (``{"type": "response.create", "top_p": 1}``)
+    rather than in it."""
+    hints = {k: f"{inner}.{v}" if v in fields else v for k, v in RENAMED.items()}
+    return hints | {k: f"{inner}.{k}" for k in fields}
+
+
+_SESSION_EVENT_HINTS = _event_hints("session", (*SESSION_FIELDS, "model"))
+_ITEM_EVENT_HINTS = {"message": "item", **{k: f"item.{k}" for k in ITEM_FIELDS}}
+_RESPONSE_EVENT_HINTS = _event_hints("response", RESPONSE_FIELDS)
 
 
 def _parse(text: str) -> JSON:

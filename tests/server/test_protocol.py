@@ -270,6 +270,8 @@ BAD_EVENTS = [
     ({"type": "conversation.item.create", "item": {"content": "x"}},
      "missing_required_parameter", "item.role"),
     ({"type": "conversation.item.create", "item": {"role": "tool", "content": "x"}},
+     "unsupported_parameter", "item.role"),
+    ({"type": "conversation.item.create", "item": {"role": "robot", "content": "x"}},
      "invalid_value", "item.role"),
     ({"type": "conversation.item.create", "item": {"role": "user"}},
      "missing_required_parameter", "item.content"),
