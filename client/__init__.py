@@ -9,6 +9,7 @@ from quickdraft.client.async_client import DEFAULT_URL, AsyncClient
 from quickdraft.client.errors import (
     APIError,
     AuthenticationError,
+    ConnectError,
     ConnectionClosedError,
     ConnectionLostError,
     QuickdraftError,
@@ -38,6 +39,7 @@ __all__ = [
     "Backoff",
     "ChatSession",
     "Client",
+    "ConnectError",
     "ConnectionClosedError",
     "ConnectionLostError",
     "Limits",

@@ -30,17 +30,26 @@ MessageLike = str | Message | Mapping[str, Any]
 class AsyncClient:
     """A client of ``quickdraft serve``'s WebSocket API (``ws://HOST:PORT/v1/ws``).
 
-    ``api_key`` defaults to ``$QUICKDRAFT_API_KEY``. ``backoff`` governs reconnecting after
-    close codes 1006 / 1012 / 1013 and retrying the first connect; ``reconnect=False`` turns
-    reconnecting off. Sockets open lazily, on first use.
+    ``api_key`` defaults to ``$QUICKDRAFT_API_KEY``. Sockets open lazily, on first use (or
+    :meth:`connect` / ``async with``). The first connect fails fast: a server that is down, an
+    unknown host, a port that does not answer within ``connect_timeout`` seconds or a refused
+    handshake raise :class:`ConnectError` (:class:`AuthenticationError` for HTTP 401 / 403 or
+    close 1008); only a busy server (1012 / 1013, HTTP 429 / 503) is waited for, per
+    ``backoff``. Once connected, ``backoff`` governs reconnecting after close codes 1006 /
+    1012 / 1013, each attempt within ``open_timeout`` seconds; every retry is logged on the
+    ``quickdraft.client`` logger. ``reconnect=False`` retries nothing at all.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, api_key: str | None = None,
-                 backoff: Backoff | None = None, open_timeout: float = 10.0,
-                 proxy: str | Literal[True] | None = True, reconnect: bool = True) -> None:
+                 backoff: Backoff | None = None, connect_timeout: float = 5.0,
+                 open_timeout: float = 10.0, proxy: str | Literal[True] | None = True,
+                 reconnect: bool = True) -> None:
+        if connect_timeout <= 0 or open_timeout <= 0:
+            raise ValueError("connect_timeout and open_timeout must be positive")
         self.url = url
         self._opts = SocketOptions(url, api_key=api_key or os.environ.get(API_KEY_ENV) or None,
-                                   open_timeout=open_timeout, proxy=proxy)
+                                   open_timeout=open_timeout, connect_timeout=connect_timeout,
+                                   proxy=proxy)
         self._backoff = backoff or Backoff()
         self._reconnect = reconnect
         self._shared = Connection(self._opts, self._backoff, reconnect=reconnect)
@@ -52,7 +61,8 @@ class AsyncClient:
         return self._shared.info
 
     async def connect(self) -> SessionInfo:
-        """Open the shared socket now (else the first chat does)."""
+        """Open the shared socket now (else the first chat does); raises
+        :class:`ConnectError` within ``connect_timeout`` if the server cannot be reached."""
         return await self._shared.start()
 
     async def close(self) -> None:

@@ -5,10 +5,14 @@ Answers go to an *inbox* (an ``asyncio.Queue``) registered for that event id; on
 ``response.created`` names the response, its deltas, ``error`` and ``response.done`` (which
 carry the response id) go to the same inbox. So several responses stream at once on one socket.
 
-A supervisor task owns the socket. When it closes with 1006, 1012 or 1013, every inbox still
-waiting gets a :class:`ConnectionLostError` (the server aborted those responses), the socket is
-reopened with backoff, and the ``on_connect`` hook runs again before new events may be sent (a
-chat session uses it to re-create its conversation on the new server session).
+The first connect fails fast (:func:`open_first`: a :class:`ConnectError` within
+``connect_timeout`` when nothing answers); a failed first connect leaves the connection
+unopened, so the next call tries again. Once connected, a supervisor task owns the socket.
+When it closes with 1006, 1012 or 1013, every inbox still waiting gets a
+:class:`ConnectionLostError` (the server aborted those responses), the socket is reopened with
+backoff (each retry logged), and the ``on_connect`` hook runs again before new events may be
+sent (a chat session uses it to re-create its conversation on the new server session). With
+``reconnect=False`` nothing is retried: not the first connect, not after a drop.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from quickdraft.client.errors import (
     QuickdraftError,
 )
 from quickdraft.client.events import SessionInfo
-from quickdraft.client.retry import Backoff, SocketOptions, open_with_retry
+from quickdraft.client.retry import Backoff, SocketOptions, open_first, open_with_retry
 
 log = logging.getLogger("quickdraft.client")
 JSON = dict[str, Any]
@@ -44,7 +48,8 @@ CLIENT_CLOSED = 1000
 
 
 class Connection:
-    """Sends events and routes the server's answers; reconnects after retryable closes."""
+    """One session socket: sends events and routes the server's answers; reconnects after
+    retryable closes unless ``reconnect`` is False."""
 
     def __init__(self, opts: SocketOptions, backoff: Backoff, *,
                  on_connect: OnConnect | None = None, observer: Observer | None = None,
@@ -62,7 +67,7 @@ class Connection:
         self._ids = itertools.count()
         self._prefix = f"evt_{uuid.uuid4().hex[:8]}_"
         self._send_lock = asyncio.Lock()
-        self._start_lock = asyncio.Lock()
+        self._opening: asyncio.Task[None] | None = None  # the first connect, while it runs
         self._ready = asyncio.Event()  # set: connected and restored, or failed for good
         self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget, kept until done
         self._failure: QuickdraftError | None = None
@@ -94,14 +99,37 @@ class Connection:
         return f"{self._prefix}{next(self._ids)}"
 
     async def start(self) -> SessionInfo:
-        """Connect (retrying per the backoff) unless already connected; the session info."""
-        async with self._start_lock:
-            if self._supervisor is None and self._failure is None:
-                ws, created = await open_with_retry(self.opts, self.backoff)
-                self._supervisor = asyncio.create_task(self._supervise(ws, created))
+        """Connect unless already connected; the session info. Raises :class:`ConnectError`
+        (or :class:`AuthenticationError`) when the first connect fails."""
+        if self._supervisor is None and self._failure is None:
+            await self._connect_once()
         await self.wait_ready()
         assert self.info is not None
         return self.info
+
+    async def _connect_once(self) -> None:
+        """The first connect; concurrent callers share one attempt, and a caller that is
+        cancelled does not cancel it for the others."""
+        if self._closing:
+            raise ConnectionClosedError(CLIENT_CLOSED, "closed by the client")
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.create_task(self._open())
+        opening = self._opening
+        try:
+            await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if opening.cancelled() and not (task is not None and task.cancelling()):
+                raise ConnectionClosedError(CLIENT_CLOSED, "closed by the client") from None
+            raise  # this caller was cancelled
+
+    async def _open(self) -> None:
+        ws, created = await open_first(self.opts, self.backoff, retry=self._reconnect)
+        if self._closing:
+            await ws.close()
+            raise ConnectionClosedError(CLIENT_CLOSED, "closed by the client")
+        self._ws = ws  # for close() even before the supervisor runs
+        self._supervisor = asyncio.create_task(self._supervise(ws, created))
 
     async def wait_ready(self) -> None:
         """Until the socket is usable (waits out a reconnect); raises once it never will be."""
@@ -114,6 +142,11 @@ class Connection:
     async def close(self) -> None:
         """Close the socket (1000); every waiting inbox gets a ConnectionClosedError."""
         self._closing = True
+        opening = self._opening
+        if opening is not None and not opening.done():
+            opening.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await opening
         reconnecting = not self._ready.is_set()
         if self._ws is not None:
             await self._ws.close()
@@ -261,13 +294,16 @@ class Connection:
             if self._closing or not self._reconnect or code not in RETRYABLE_CLOSE_CODES:
                 self._fail(ConnectionClosedError(code, reason))
                 return
-            log.info("connection closed (%d %s); reconnecting", code, reason)
+            log.warning("connection to %s closed (%d%s); reconnecting", self.opts.url, code,
+                        f" {reason}" if reason else "")
             try:
                 ws, created = await open_with_retry(self.opts, self.backoff)
             except QuickdraftError as exc:
+                log.error("%s", exc)
                 self._fail(exc)
                 return
             self.reconnects += 1
+            log.info("reconnected to %s", self.opts.url)
 
     async def _run_on_connect(self, ws: ClientConnection) -> bool:
         """Run the hook; False if it failed for good (the connection is then failed)."""

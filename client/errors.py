@@ -68,8 +68,21 @@ class ConnectionClosedError(QuickdraftError):
         self.reason = reason
 
 
+class ConnectError(ConnectionClosedError):
+    """The client could not open a session socket: the first connect failed (connection
+    refused, unknown host, no answer within ``connect_timeout``, the handshake rejected), or
+    reconnecting after a drop gave up. ``url`` is the server's URL, ``cause`` what went wrong;
+    ``code`` is the server's close code if it closed the socket (1013: busy), else 1006."""
+
+    def __init__(self, url: str, cause: str, *, code: int = 1006, reason: str = "") -> None:
+        super().__init__(code, reason, f"cannot connect to {url}: {cause}")
+        self.url = url
+        self.cause = cause
+
+
 class AuthenticationError(ConnectionClosedError):
-    """The server refused the API key (close code 1008). Not retried."""
+    """The server refused the API key or the connection (close code 1008, or HTTP 401 / 403
+    during the handshake). Not retried."""
 
 
 class ConnectionLostError(ConnectionClosedError):

@@ -134,23 +134,27 @@ class SyncSession:
 
 
 class Client:
-    """Blocking client; same arguments as :class:`AsyncClient`, plus ``timeout`` (seconds any
-    one call may block; None = no limit)."""
+    """Blocking client; same arguments as :class:`AsyncClient` (``connect_timeout``: the first
+    connect raises :class:`ConnectError` after at most that long when the server cannot be
+    reached), plus ``timeout`` (seconds any one call may block; None = no limit)."""
 
     def __init__(self, url: str = DEFAULT_URL, *, api_key: str | None = None,
-                 backoff: Backoff | None = None, open_timeout: float = 10.0,
-                 proxy: str | Literal[True] | None = True, reconnect: bool = True,
-                 timeout: float | None = None) -> None:
+                 backoff: Backoff | None = None, connect_timeout: float = 5.0,
+                 open_timeout: float = 10.0, proxy: str | Literal[True] | None = True,
+                 reconnect: bool = True, timeout: float | None = None) -> None:
+        self._client = AsyncClient(url, api_key=api_key, backoff=backoff,
+                                   connect_timeout=connect_timeout, open_timeout=open_timeout,
+                                   proxy=proxy, reconnect=reconnect)
         self._runner = _LoopThread()
         self._timeout = timeout
-        self._client = AsyncClient(url, api_key=api_key, backoff=backoff,
-                                   open_timeout=open_timeout, proxy=proxy, reconnect=reconnect)
 
     @property
     def info(self) -> SessionInfo | None:
         return self._client.info
 
     def connect(self) -> SessionInfo:
+        """Open the shared socket now (else the first chat does); see
+        :meth:`AsyncClient.connect`."""
         return self._runner.run(self._client.connect(), self._timeout)
 
     def chat(self, messages: str | Sequence[MessageLike], **response: Any) -> SyncStream:
@@ -169,7 +173,11 @@ class Client:
             self._runner.stop()
 
     def __enter__(self) -> Client:
-        self.connect()
+        try:
+            self.connect()
+        except BaseException:
+            self.close()  # no with-block to run __exit__: stop the loop thread here
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

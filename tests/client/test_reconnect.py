@@ -1,7 +1,9 @@
-"""Reconnecting: the backoff schedule, retrying a refused connect, a dropped connection (1006,
-against a scripted fake server: the streaming response fails with ConnectionLostError, the
-session's settings and conversation are re-sent), a full server (1013) and a server restart
-(1012: drain, then a new server on the same port; the conversation lives on)."""
+"""Reconnecting: the backoff schedule, a reconnect retrying a refused connect until the backoff
+gives up, a dropped connection (1006, against a scripted fake server: the streaming response
+fails with ConnectionLostError, the session's settings and conversation are re-sent), a full
+server at the first connect (1013: waited for) and a server restart (1012: drain, then a new
+server on the same port; the conversation lives on). Failing first connects:
+test_connect_errors.py."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from websockets.asyncio.server import serve as ws_serve
 from quickdraft.client import (
     AsyncClient,
     Backoff,
-    ConnectionClosedError,
+    ConnectError,
     ConnectionLostError,
     Message,
 )
@@ -47,7 +49,7 @@ def test_backoff_schedule():
         Backoff(jitter=2.0)
 
 
-def test_refused_connect_is_retried_then_gives_up():
+def test_reconnect_retries_refused_then_gives_up():
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -58,7 +60,7 @@ def test_refused_connect_is_retried_then_gives_up():
 
     opts = SocketOptions(f"ws://127.0.0.1:{port}/v1/ws", proxy=None)
     backoff = Backoff(initial=0.1, jitter=0.0, max_attempts=4, max_elapsed=None)
-    with pytest.raises(ConnectionClosedError, match="gave up after 4 attempts"):
+    with pytest.raises(ConnectError, match=r"connection refused \(gave up after 4 attempts\)"):
         run(open_with_retry(opts, backoff, sleep=fake_sleep))
     assert slept == pytest.approx([0.1, 0.2, 0.4])
 
