@@ -50,6 +50,7 @@ def test_generate_greedy_matches_engine(default_model_dir):
     match = STATS.search(proc.stderr)  # the stats line goes to stderr, never into the answer
     assert match and 0 < int(match.group(1)) <= 20, proc.stderr
     assert "tokens, TTFT" not in answer
+    assert "\x1b[" not in proc.stderr + answer  # no ANSI colours into a pipe
 
     # The same request on the engine directly, with the CLI's default engine settings.
     engine = LLMEngine(EngineConfig(model=str(default_model_dir)), progress=False)

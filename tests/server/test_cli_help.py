@@ -5,10 +5,12 @@ HTTP-only commands import neither torch nor the engine)."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pexpect
 import pytest
 
 import quickdraft
@@ -120,8 +122,16 @@ def test_help_imports_no_torch(argv):
     assert "HEAVY []" in done.stderr, done.stderr
 
 
-def test_bad_model_is_one_line_and_status_2(tmp_path):
-    done = run("generate", "hi", "--model", str(tmp_path / "nope"))
-    assert done.returncode == 2
-    assert done.stderr.strip().startswith("quickdraft: error:") and "nope" in done.stderr
-    assert "Traceback" not in done.stderr
+@pytest.mark.parametrize("no_color", [False, True])
+def test_colours_only_on_a_terminal_without_no_color(tiny_model_dir, no_color):
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    if no_color:
+        env["NO_COLOR"] = "1"
+    child = pexpect.spawn(sys.executable, ["-m", "quickdraft", "generate", "hi", "--quiet",
+                                           "--model", str(tiny_model_dir), "--max-tokens", "3",
+                                           "--kv-cache-memory", "0.01"],
+                          env=env, encoding="utf-8", timeout=120)
+    child.expect(pexpect.EOF)
+    out = child.before or ""
+    assert "tokens, TTFT" in out
+    assert ("\x1b[2m" in out) is not no_color
