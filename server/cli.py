@@ -26,6 +26,7 @@ from quickdraft.engine.config import (
 from quickdraft.engine.model_names import KNOWN_MODELS, canonical_model
 from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
 from quickdraft.server.batch_cli import add_batch_parser
+from quickdraft.server.chat_cli import add_chat_parser
 from quickdraft.server.models_cli import add_models_parser
 from quickdraft.server.serve import add_serve_parser
 
@@ -189,47 +190,6 @@ async def stream_answer(llm: AsyncLLM, prompt_ids: list[int], params: SamplingPa
     return "".join(pieces)
 
 
-def run_chat(args: argparse.Namespace) -> int:
-    from quickdraft.engine.async_engine import AsyncLLM
-
-    llm = AsyncLLM.from_config(engine_config(args))
-    params = sampling_params(args)
-    system = args.system
-    history: list[dict[str, str]] = []
-    print("quickdraft chat — /reset clears the conversation, /system TEXT sets the system "
-          "prompt, /exit quits. Ctrl-C stops an answer.", file=sys.stderr)
-    while True:
-        try:
-            line = input("\n> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            break
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            break
-        if text == "/reset":
-            history = []
-            continue
-        if text.startswith("/system"):
-            system = text.removeprefix("/system").strip() or None
-            history = []
-            continue
-        history.append({"role": "user", "content": text})
-        messages = ([{"role": "system", "content": system}] if system else []) + history
-        prompt_ids = llm.engine.apply_chat_template(messages)
-        try:
-            answer = asyncio.run(stream_answer(llm, prompt_ids, params))
-        except KeyboardInterrupt:
-            print("\n[stopped]", file=sys.stderr)
-            history.pop()
-            continue
-        history.append({"role": "assistant", "content": answer})
-    llm.shutdown()
-    return 0
-
-
 def run_generate(args: argparse.Namespace) -> int:
     from quickdraft.engine.async_engine import AsyncLLM
 
@@ -256,11 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                         version=f"quickdraft {quickdraft.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 title="commands")
-    chat = sub.add_parser("chat", help="streaming multi-turn chat in the terminal")
-    add_engine_args(chat)
-    add_sampling_args(chat, max_tokens=512)
-    chat.add_argument("--system", default=None, help="system prompt")
-    chat.set_defaults(func=run_chat)
+    add_chat_parser(sub)
     gen = sub.add_parser("generate", help="answer one prompt, streaming")
     gen.add_argument("prompt", help="the user message (with --raw: the text to continue)")
     gen.add_argument("--raw", action="store_true", help="no chat template")
