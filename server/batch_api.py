@@ -16,8 +16,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Message
 
+from quickdraft.server.batch_cli import ENDPOINTS
 from quickdraft.server.batch_store import BatchStore
-from quickdraft.server.batch_worker import ENDPOINTS, BatchWorker
+from quickdraft.server.batch_worker import BatchWorker
 from quickdraft.server.errors import ProtocolError, invalid, missing, wrong_type
 from quickdraft.server.gateway import Gateway
 from quickdraft.server.openai_api import read_json
@@ -37,7 +38,8 @@ class BatchService:
     def __init__(self, settings: ServerSettings, gateway: Gateway) -> None:
         self.settings = settings
         self.worker = BatchWorker(settings.batch_db_path, gateway,
-                                  max_in_flight=settings.batch_max_in_flight)
+                                  max_in_flight=settings.batch_max_in_flight,
+                                  metrics=gateway.metrics)
 
     def routes(self) -> list[Route]:
         return [

@@ -8,7 +8,10 @@ moves every one of them on (validate, run, finalize, cancel). Lines are queued o
 time in creation order; a batch's lines are loaded from the store (only those without a result),
 so a restart resumes each job where it stopped. A line whose engine request could not run
 (model loading, server draining, engine stopped) is not answered: it stays pending and runs
-again later.
+again later. Given the server's metrics, each line the engine ran is counted there at the
+worker's priority.
+
+The endpoint names and ``detect_endpoint`` live in server/batch_cli.py, which must stay light.
 """
 
 from __future__ import annotations
@@ -18,25 +21,30 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import jinja2
 import orjson
 
 from quickdraft.engine.async_engine import AsyncLLM, EngineDeadError
-from quickdraft.engine.outputs import RequestOutput
+from quickdraft.engine.outputs import RequestOutput, Usage
 from quickdraft.engine.sampling_params import InvalidParameterError
+from quickdraft.server.batch_cli import CHAT_ENDPOINT
 from quickdraft.server.batch_store import BatchStore, LineRecord, PendingLine, new_id
 from quickdraft.server.errors import ProtocolError, engine_failed, invalid, unsupported
 from quickdraft.server.openai_api import parse_messages, parse_options, parse_prompt
 from quickdraft.server.openai_format import CompletionFormat
 from quickdraft.server.params import JSON, PRIORITY_CLASSES, Fields, build_sampling, fit_max_tokens
+
+if TYPE_CHECKING:
+    from quickdraft.server.metrics import GatewayMetrics
 
 try:
     import fcntl
@@ -44,9 +52,6 @@ except ImportError:  # not POSIX: no guard against a second process on the same 
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
-CHAT_ENDPOINT = "/v1/chat/completions"
-COMPLETIONS_ENDPOINT = "/v1/completions"
-ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 BACKGROUND = PRIORITY_CLASSES["background"]
 MAX_LINES = 50_000  # requests in one batch (OpenAI's limit)
 DEFAULT_MAX_IN_FLIGHT = 8
@@ -136,16 +141,6 @@ def response_line(custom_id: str, status_code: int, request_id: str, body: JSON)
             "error": None}
 
 
-def detect_endpoint(data: bytes) -> str:
-    """The ``url`` of the first request line that names a supported endpoint (default chat)."""
-    for raw in data.splitlines():
-        with contextlib.suppress(orjson.JSONDecodeError):
-            obj = orjson.loads(raw)
-            if isinstance(obj, dict) and obj.get("url") in ENDPOINTS:
-                return str(obj["url"])
-    return CHAT_ENDPOINT
-
-
 def parse_input(data: bytes, endpoint: str, max_lines: int = MAX_LINES) -> list[LineRecord]:
     """Split a JSONL input file into request lines (blank lines skipped). A malformed line is
     kept as a refused line with its error-file entry, so the rest of the job carries on; raises
@@ -207,15 +202,29 @@ def _parse_line(raw: bytes, n: int, endpoint: str, seen: dict[str, int]
 
 @dataclass(frozen=True)
 class Answer:
+    """One line's HTTP-shaped answer; ``finish_reason`` (and ``usage``, ``latency``: seconds
+    from submitting to the engine to its last output) are set when the engine ran it."""
+
     status_code: int
     request_id: str
     body: JSON
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    latency: float = 0.0
 
     @property
     def ok(self) -> bool:
         return self.status_code == 200
+
+    @property
+    def prompt_tokens(self) -> int:
+        """For the batch's ``usage``: answered (200) lines only."""
+        return self.usage.prompt_tokens if self.usage and self.ok else 0
+
+    @property
+    def completion_tokens(self) -> int:
+        """For the batch's ``usage``: answered (200) lines only."""
+        return self.usage.completion_tokens if self.usage and self.ok else 0
 
 
 async def execute(link: EngineLink, endpoint: str, body: JSON,
@@ -246,21 +255,21 @@ async def execute(link: EngineLink, endpoint: str, body: JSON,
                                  "logprobs": opts.logprobs}, "", opts.max_tokens_param)
         fmt = CompletionFormat(chat=chat, model=link.model_name,
                                tokenizer=llm.engine.tokenizer, logprobs=opts.logprobs)
+        start = time.monotonic()
         outputs = await _generate(llm, ids, params, fmt.id, priority, opts.speculation,
                                   prompt_param)
     except ProtocolError as err:
         return Answer(err.status, fmt.id if fmt else new_id("req_"), {"error": err.to_dict()})
-    final = outputs[-1]
+    final, latency = outputs[-1], time.monotonic() - start
     if final.finish_reason == "abort":
         raise Unavailable("the request was aborted")
     if final.finish_reason == "error":
         if not llm.is_running:
             raise Unavailable(final.error or "the engine stopped")
         failed = engine_failed(final.error or "the engine failed this request")
-        return Answer(failed.status, fmt.id, {"error": failed.to_dict()})
-    usage = final.usage
-    return Answer(200, fmt.id, fmt.body(outputs), usage.prompt_tokens if usage else 0,
-                  usage.completion_tokens if usage else 0)
+        return Answer(failed.status, fmt.id, {"error": failed.to_dict()}, final.usage,
+                      "error", latency)
+    return Answer(200, fmt.id, fmt.body(outputs), final.usage, final.finish_reason, latency)
 
 
 async def _generate(llm: AsyncLLM, ids: list[int], params: Any, request_id: str,
@@ -288,11 +297,13 @@ async def _generate(llm: AsyncLLM, ids: list[int], params: Any, request_id: str,
 
 class BatchWorker:
     """Owns the store (opened lazily: a server that never sees a batch creates no database)
-    and the control loop. ``run()`` until ``stop()``; ``wake()`` after changing a batch."""
+    and the control loop. ``run()`` until ``stop()``; ``wake()`` after changing a batch.
+    With ``metrics`` (the server's), each line the engine ran is counted in the request-level
+    metrics under its priority class; ``quickdraft batch`` in local mode passes none."""
 
     def __init__(self, db_path: str | Path, link: EngineLink, *,
                  max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, priority: int = BACKGROUND,
-                 idle_poll: float = IDLE_POLL) -> None:
+                 idle_poll: float = IDLE_POLL, metrics: GatewayMetrics | None = None) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         self.db_path = Path(db_path).expanduser()
@@ -300,6 +311,7 @@ class BatchWorker:
         self.max_in_flight = max_in_flight
         self.priority = priority
         self.idle_poll = idle_poll
+        self.metrics = metrics
         self._store: BatchStore | None = None
         self._store_lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
@@ -506,3 +518,11 @@ class BatchWorker:
                                answer.body)
         await asyncio.to_thread(store.record, line.batch_id, line.idx, answer.ok, result,
                                 answer.prompt_tokens, answer.completion_tokens)
+        self._observe(answer)
+
+    def _observe(self, answer: Answer) -> None:
+        """Count a recorded line in the metrics, as the HTTP endpoint counts a request (only
+        lines the engine ran; a postponed line is counted when it finally runs)."""
+        if self.metrics is not None and answer.finish_reason is not None:
+            self.metrics.observe(answer.usage, answer.finish_reason, answer.latency,
+                                 self.priority)

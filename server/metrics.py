@@ -1,13 +1,16 @@
 """Prometheus metrics with vLLM-style names, in a registry owned by one app (no globals).
 
-Request histograms and token counters are observed by the endpoints when a request ends; the
-engine's gauges and speculation counters are read from ``AsyncLLM.stats()`` at scrape time by a
-custom collector (zeros while the model loads).
+Request histograms, token counters and ``request_success`` are observed when a request ends
+(by the HTTP and WebSocket endpoints and the batch worker), labelled by priority class
+(``priority="interactive"`` / ``"background"``); the engine's gauges and speculation counters
+are read from ``AsyncLLM.stats()`` at scrape time by a custom collector (zeros while the model
+loads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -15,6 +18,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from quickdraft.engine.outputs import Usage
+from quickdraft.server.params import DEFAULT_PRIORITY, PRIORITY_CLASSES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -81,50 +85,88 @@ class _EngineCollector(Collector):
         return c
 
 
+@dataclass(frozen=True)
+class _RequestSeries:
+    """The request-level series of one priority class (children of the labelled families)."""
+
+    ttft: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+
+
+def priority_class(priority: int) -> str:
+    """The name of the priority class an engine priority number falls in: the class with the
+    largest number not above it (lower numbers run first), so the ``priority`` label only ever
+    takes the classes' names."""
+    ordered = sorted(PRIORITY_CLASSES.items(), key=lambda item: item[1])
+    name = ordered[0][0]
+    for candidate, value in ordered:
+        if value <= priority:
+            name = candidate
+    return name
+
+
 class GatewayMetrics:
-    """The app's registry; ``observe`` is called once per finished engine request."""
+    """The app's registry; ``observe`` is called once per finished engine request (HTTP,
+    WebSocket and batch lines alike), labelled with the request's priority class."""
 
     def __init__(self, model_name: str, stats: StatsSource) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
         reg = self.registry
-        self.ttft = Histogram("quickdraft:time_to_first_token_seconds",
-                              "Time to first token.", labels, buckets=LATENCY_BUCKETS,
-                              registry=reg).labels(model_name)
-        self.tpot = Histogram("quickdraft:time_per_output_token_seconds",
-                              "Mean time per output token after the first.", labels,
-                              buckets=TPOT_BUCKETS, registry=reg).labels(model_name)
-        self.e2e = Histogram("quickdraft:e2e_request_latency_seconds",
-                             "End-to-end request latency.", labels, buckets=LATENCY_BUCKETS,
-                             registry=reg).labels(model_name)
-        self.queue = Histogram("quickdraft:request_queue_time_seconds",
-                               "Time from arrival to first scheduled.", labels,
-                               buckets=LATENCY_BUCKETS, registry=reg).labels(model_name)
-        self.prompt_tokens = Counter("quickdraft:prompt_tokens", "Prompt tokens processed.",
-                                     labels, registry=reg).labels(model_name)
-        self.generation_tokens = Counter("quickdraft:generation_tokens",
-                                         "Tokens generated.", labels, registry=reg
-                                         ).labels(model_name)
+        labels = ["model_name", "priority"]
+        self._ttft = Histogram("quickdraft:time_to_first_token_seconds",
+                               "Time to first token.", labels, buckets=LATENCY_BUCKETS,
+                               registry=reg)
+        self._tpot = Histogram("quickdraft:time_per_output_token_seconds",
+                               "Mean time per output token after the first.", labels,
+                               buckets=TPOT_BUCKETS, registry=reg)
+        self._e2e = Histogram("quickdraft:e2e_request_latency_seconds",
+                              "End-to-end request latency.", labels, buckets=LATENCY_BUCKETS,
+                              registry=reg)
+        self._queue = Histogram("quickdraft:request_queue_time_seconds",
+                                "Time from arrival to first scheduled.", labels,
+                                buckets=LATENCY_BUCKETS, registry=reg)
+        self._prompt_tokens = Counter("quickdraft:prompt_tokens", "Prompt tokens processed.",
+                                      labels, registry=reg)
+        self._generation_tokens = Counter("quickdraft:generation_tokens", "Tokens generated.",
+                                          labels, registry=reg)
         self.finished = Counter("quickdraft:request_success", "Finished requests by reason.",
-                                ["model_name", "finished_reason"], registry=reg)
+                                ["model_name", "finished_reason", "priority"], registry=reg)
         self.ws_connections = Gauge("quickdraft:websocket_connections",
-                                    "Open WebSocket sessions.", labels, registry=reg
+                                    "Open WebSocket sessions.", ["model_name"], registry=reg
                                     ).labels(model_name)
+        # every class's series exist from the start (at zero), so rates need no first sample
+        self._series = {name: self._bind(name) for name in PRIORITY_CLASSES}
         reg.register(_EngineCollector(model_name, stats))
 
-    def observe(self, usage: Usage | None, finish_reason: str | None, e2e: float) -> None:
-        self.finished.labels(self.model_name, finish_reason or "unknown").inc()
-        self.e2e.observe(e2e)
+    def _bind(self, priority: str) -> _RequestSeries:
+        model = self.model_name
+        return _RequestSeries(
+            self._ttft.labels(model, priority), self._tpot.labels(model, priority),
+            self._e2e.labels(model, priority), self._queue.labels(model, priority),
+            self._prompt_tokens.labels(model, priority),
+            self._generation_tokens.labels(model, priority))
+
+    def observe(self, usage: Usage | None, finish_reason: str | None, e2e: float,
+                priority: int = PRIORITY_CLASSES[DEFAULT_PRIORITY]) -> None:
+        """Count one finished request; ``priority`` is the engine priority it ran at."""
+        name = priority_class(priority)
+        series = self._series[name]
+        self.finished.labels(self.model_name, finish_reason or "unknown", name).inc()
+        series.e2e.observe(e2e)
         if usage is None:
             return
-        self.prompt_tokens.inc(usage.prompt_tokens)
-        self.generation_tokens.inc(usage.completion_tokens)
-        self.queue.observe(usage.queue_time)
+        series.prompt_tokens.inc(usage.prompt_tokens)
+        series.generation_tokens.inc(usage.completion_tokens)
+        series.queue.observe(usage.queue_time)
         if usage.ttft is not None:
-            self.ttft.observe(usage.ttft)
+            series.ttft.observe(usage.ttft)
         if usage.completion_tokens > 1:
-            self.tpot.observe(usage.decode_time / (usage.completion_tokens - 1))
+            series.tpot.observe(usage.decode_time / (usage.completion_tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from quickdraft.server.batch_cli import detect_endpoint
 from quickdraft.server.batch_store import BatchStore
 from quickdraft.server.batch_worker import (
     CHAT_ENDPOINT,
     BatchInputError,
-    detect_endpoint,
     error_line,
     parse_input,
     response_line,

@@ -40,11 +40,13 @@ def test_loading_then_stats_and_observations():
     assert got[("quickdraft:spec_decode_suffix_cached_tokens", label)] == 300
     assert got[("quickdraft:spec_decode_num_accepted_tokens_per_pos_total",
                 (("model_name", "tiny"), ("position", "1")))] == 2
-    assert got[("quickdraft:prompt_tokens_total", label)] == 10
-    assert got[("quickdraft:generation_tokens_total", label)] == 5
-    assert got[("quickdraft:e2e_request_latency_seconds_count", label)] == 2
-    assert got[("quickdraft:time_per_output_token_seconds_sum", label)] == 0.1
+    interactive = (*label, ("priority", "interactive"))  # observe's default class
+    assert got[("quickdraft:prompt_tokens_total", interactive)] == 10
+    assert got[("quickdraft:generation_tokens_total", interactive)] == 5
+    assert got[("quickdraft:e2e_request_latency_seconds_count", interactive)] == 2
+    assert got[("quickdraft:time_per_output_token_seconds_sum", interactive)] == 0.1
     assert got[("quickdraft:request_success_total",
-                (("finished_reason", "abort"), ("model_name", "tiny")))] == 1
+                (("finished_reason", "abort"), ("model_name", "tiny"),
+                 ("priority", "interactive")))] == 1
     other = GatewayMetrics("tiny", lambda: None)  # its own registry: no clash, no sharing
-    assert samples(other)[("quickdraft:prompt_tokens_total", label)] == 0
+    assert samples(other)[("quickdraft:prompt_tokens_total", interactive)] == 0

@@ -171,12 +171,13 @@ def test_metrics_move(client, served):
     def moved(name: str) -> float:
         return after[name] - before.get(name, 0.0)
 
-    assert moved("quickdraft:generation_tokens_total") == 30
-    assert moved("quickdraft:prompt_tokens_total") > 5
-    assert moved("quickdraft:e2e_request_latency_seconds_count") == 1
-    assert moved("quickdraft:time_to_first_token_seconds_count") == 1
-    assert moved("quickdraft:time_per_output_token_seconds_count") == 1
-    assert moved("quickdraft:request_success_total{finished_reason=length}") == 1
+    assert moved("quickdraft:generation_tokens_total{priority=interactive}") == 30
+    assert moved("quickdraft:prompt_tokens_total{priority=interactive}") > 5
+    assert moved("quickdraft:e2e_request_latency_seconds_count{priority=interactive}") == 1
+    assert moved("quickdraft:time_to_first_token_seconds_count{priority=interactive}") == 1
+    assert moved("quickdraft:time_per_output_token_seconds_count{priority=interactive}") == 1
+    assert moved("quickdraft:request_success_total{finished_reason=length}"
+                 "{priority=interactive}") == 1
     # Whether the policy drafts at all is the engine's call; the counters must agree with it.
     assert moved("quickdraft:spec_decode_num_draft_tokens_total") == spec["drafted_tokens"]
     assert moved("quickdraft:spec_decode_num_accepted_tokens_total") == spec["accepted_tokens"]
