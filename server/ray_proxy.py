@@ -1,0 +1,224 @@
+"""The gateway's engine on Ray Serve: :class:`RemoteLLM` offers exactly the parts of
+:class:`AsyncLLM` that the gateway calls (``generate``, ``abort``, ``stats``, ``is_running``,
+``shutdown``, and ``engine.tokenizer`` / ``engine.apply_chat_template`` /
+``engine.max_model_len``), over a handle of the engine deployment (server/ray_engine.py).
+
+Prompts are tokenized in the gateway with the model's own tokenizer (:class:`LocalFrontend`),
+so no round trip precedes a request. Each request carries an affinity key for the router
+(server/ray_router.py): the session of the HTTP request or WebSocket connection that asked
+(:class:`CallScope`, set by the gateway's middleware), else a digest of the prompt's first
+KV blocks. Which replica served each request is written back into the same ``CallScope``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator, Coroutine
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayError
+
+from quickdraft.engine.async_engine import EngineDeadError
+from quickdraft.engine.outputs import RequestOutput
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.server.affinity import DEFAULT_KEY_BLOCKS, prefix_key
+from quickdraft.server.ray_engine import DeltaBatch, EngineRequest
+from quickdraft.spec.params import SpeculationParams
+
+log = logging.getLogger(__name__)
+STATS_PERIOD = 1.0  # seconds between two polls of every replica's stats
+CONTROL_TIMEOUT = 10.0  # seconds an abort or a stats poll may take
+
+
+@dataclass
+class CallScope:
+    """One HTTP request or WebSocket connection on the gateway, as the engine proxy sees it:
+    its affinity key in, and the replica (and prefix-cache hit) of each request out."""
+
+    key: str | None = None
+    replicas: dict[str, str] = field(default_factory=dict)  # request id -> engine replica
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens
+    last_request: str | None = None
+
+
+CALL_SCOPE: ContextVar[CallScope | None] = ContextVar("quickdraft_call_scope", default=None)
+
+
+class LocalFrontend:
+    """The parts of ``LLMEngine`` the gateway uses before a request leaves it: the tokenizer,
+    the chat template and the context length, without the weights."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        return list(ids)
+
+
+class RemoteLLM:
+    """AsyncLLM's face over the engine deployment's ``DeploymentHandle``; lives on the
+    gateway replica's event loop ``loop``."""
+
+    def __init__(self, handle: Any, frontend: LocalFrontend, *, block_size: int,
+                 loop: asyncio.AbstractEventLoop, key_blocks: int = DEFAULT_KEY_BLOCKS,
+                 stats_period: float = STATS_PERIOD) -> None:
+        self.engine = frontend
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+        self._block_size = block_size
+        self._key_blocks = key_blocks
+        self._loop = loop
+        self._ids = itertools.count()
+        self._aborted: set[str] = set()  # ids aborted before their replica was known
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stats: dict[str, Any] = {}
+        self._running = True
+        loop.call_soon_threadsafe(self._spawn, self._poll_stats(stats_period))
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        speculation: SpeculationParams | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream deltas from an engine replica; leaving early aborts the request there."""
+        if not self._running:
+            raise EngineDeadError("the gateway's engine proxy is shut down")
+        rid = request_id or f"ray-req-{next(self._ids)}"
+        scope = CALL_SCOPE.get()
+        key = self.affinity_key(scope, prompt, prompt_token_ids, cache_salt)
+        request = EngineRequest(rid, prompt, prompt_token_ids, sampling_params or SamplingParams(),
+                                priority, speculation, cache_salt)
+        stream = self._stream.generate.remote(request, affinity_key=key)
+        finished, replica = False, None
+        try:
+            async for batch in stream:
+                assert isinstance(batch, DeltaBatch)
+                if replica is None:
+                    replica = batch.replica
+                    self._on_routed(rid, replica, scope)
+                if batch.error is not None:
+                    finished = True
+                    raise batch.error.rebuild()
+                for out in batch.outputs:
+                    finished = out.finished
+                    if finished and scope is not None and out.usage is not None:
+                        scope.cached_tokens[rid] = out.usage.num_cached_tokens
+                    yield out
+                    if finished:
+                        return
+            finished = True
+            raise EngineDeadError(f"engine replica {replica} ended the stream early")
+        except RayError as exc:  # the replica died or could not be reached
+            finished = True
+            raise EngineDeadError(f"engine replica {replica or '(unassigned)'} failed: "
+                                  f"{type(exc).__name__}") from exc
+        finally:
+            self._aborted.discard(rid)
+            if not finished:  # the caller left: stop the remote request
+                stream.cancel()
+                self._send_abort(rid)
+
+    def affinity_key(self, scope: CallScope | None, prompt: str | None,
+                     ids: list[int] | None, cache_salt: str | None) -> str:
+        """The caller's session, else a digest of the prompt's first KV blocks."""
+        if scope is not None and scope.key is not None:
+            return scope.key
+        if ids is None:
+            ids = list(self.engine.tokenizer.encode(prompt or "", add_special_tokens=False))
+        return prefix_key(ids, self._block_size, cache_salt, self._key_blocks)
+
+    def _on_routed(self, rid: str, replica: str, scope: CallScope | None) -> None:
+        if scope is not None:
+            scope.replicas[rid] = replica
+            scope.last_request = rid
+        if rid in self._aborted:  # aborted while it was being routed: abort it again
+            self._send_abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe, like AsyncLLM.abort: the request's final output (abort) still comes
+        through its stream."""
+        self._loop.call_soon_threadsafe(self._abort_now, request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        self._aborted.add(request_id)
+        self._send_abort(request_id)
+
+    def _send_abort(self, request_id: str) -> None:
+        """Every replica gets the abort (a broadcast bypasses the replicas' request limits, so
+        a full replica still hears it); the one running the request frees its blocks."""
+        self._spawn(self._control(self._handle.broadcast("abort", request_id)))
+
+    # ------------------------------------------------------------------ state
+
+    def stats(self) -> dict[str, Any]:
+        """The engine replicas' stats added up (kv_usage: their mean), as last polled, with
+        each replica's own under ``replicas``."""
+        return self._stats
+
+    async def _poll_stats(self, period: float) -> None:
+        while self._running:
+            per_replica = await self._control(self._handle.broadcast("stats"))
+            if per_replica:
+                self._stats = merge_stats(per_replica)
+            await asyncio.sleep(period)
+
+    async def _control(self, response: Any) -> list[Any] | None:
+        """The results of a broadcast, or None (logged) if it failed or timed out."""
+        try:
+            results = await asyncio.wait_for(response.results_async(), CONTROL_TIMEOUT)
+        except (RayError, TimeoutError, RuntimeError) as exc:
+            log.warning("engine control call failed: %s", exc)
+            return None
+        return list(results)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop polling; the engine replicas belong to Serve and keep running."""
+        self._running = False
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            self._loop.call_soon_threadsafe(lambda: [t.cancel() for t in list(self._tasks)])
+
+
+def merge_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counters and gauges summed over replicas (``kv_usage`` averaged, per-position lists
+    summed position by position); ``replicas`` maps each replica id to its own stats."""
+    merged: dict[str, Any] = {}
+    for stats in per_replica:
+        for name, value in stats.items():
+            if isinstance(value, bool) or name in ("replica", "actor"):
+                continue
+            if isinstance(value, int | float):
+                merged[name] = merged.get(name, 0) + value
+            elif isinstance(value, list):
+                total = merged.setdefault(name, [])
+                total.extend([0] * (len(value) - len(total)))
+                for i, v in enumerate(value):
+                    total[i] += v
+    if per_replica:
+        merged["kv_usage"] = merged.get("kv_usage", 0.0) / len(per_replica)
+    merged["replicas"] = {s.get("replica", str(i)): s for i, s in enumerate(per_replica)}
+    return merged
