@@ -1,0 +1,226 @@
+"""The Ray Serve app end to end: a local Ray (2 CPUs), the gateway and TWO engine replicas of
+the tiny random model, real HTTP, SSE and WebSocket clients through Serve's proxy."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from quickdraft.engine.config import EngineConfig  # noqa: E402
+from quickdraft.server.ray_app import (  # noqa: E402
+    APP_NAME,
+    CACHED_TOKENS_HEADER,
+    ENGINE_DEPLOYMENT,
+    REPLICA_HEADER,
+    RayOptions,
+    build_app,
+)
+from quickdraft.server.settings import ServerSettings  # noqa: E402
+from tests.server.conftest import (  # noqa: E402
+    ENGINE_KW,
+    LONG,
+    SHORT,
+    collect,
+    of_type,
+    recv_until,
+    respond,
+    say,
+    send,
+    session,
+    wait_healthy,
+    ws_open,
+)
+
+START_TIMEOUT = 120.0  # seconds for Ray, Serve and three replicas on 2 busy cores
+
+
+@dataclass
+class Cluster:
+    base: str
+    engine: Any  # DeploymentHandle of the engine deployment
+
+    @property
+    def ws_url(self) -> str:
+        return self.base.replace("http://", "ws://") + "/v1/ws"
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Each engine replica's stats, by replica id."""
+        return {s["replica"]: s for s in self.engine.broadcast("stats").results(timeout_s=30)}
+
+    def wait_idle(self, baseline: dict[str, int], timeout: float = 10.0) -> None:
+        """Until every replica runs nothing and has ``baseline`` free KV blocks again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = {r: (s["num_running"] + s["num_waiting"], s["num_free_blocks"])
+                   for r, s in self.stats().items()}
+            if all(now.get(r) == (0, free) for r, free in baseline.items()):
+                return
+            assert time.monotonic() < deadline, f"not idle: {now}, baseline {baseline}"
+            time.sleep(0.1)
+
+    def free_blocks(self) -> dict[str, int]:
+        return {r: s["num_free_blocks"] for r, s in self.stats().items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        engine = EngineConfig(model=str(tiny_model_dir), **ENGINE_KW)
+        settings = ServerSettings(engine=engine, served_model_name="tiny", log_level="warning")
+        opts = RayOptions(replicas=2, engine_cpus=0.25, gateway_cpus=0.25)
+        serve.run(build_app(settings, opts), name=APP_NAME, route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, START_TIMEOUT)
+        yield Cluster(base, serve.get_deployment_handle(ENGINE_DEPLOYMENT, APP_NAME))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def ws_answers(url: str, turns: int, **kw: Any) -> list[dict[str, Any]]:
+    """``turns`` short answers on one connection; their response.done events."""
+    done = []
+    with ws_open(url, **kw) as ws:
+        session(ws)
+        for i in range(turns):
+            say(ws, f"Turn {i}: tell me more.")
+            _, event, _ = collect(ws, respond(ws, **SHORT))
+            assert event["response"]["status"] == "completed", event
+            done.append(event)
+    return done
+
+
+# ---------------------------------------------------------------------- routing
+
+
+def test_two_replicas_share_keyless_traffic(cluster):
+    replicas = set(cluster.stats())
+    assert len(replicas) == 2
+    seen = []
+    for i in range(12):  # different first tokens: different prefix keys
+        r = httpx.post(f"{cluster.base}/v1/completions", timeout=60,
+                       json={"prompt": f"{i * 7919} apples", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        seen.append(r.headers[REPLICA_HEADER])
+    assert set(seen) == replicas
+
+
+def test_a_websocket_session_stays_on_one_replica(cluster):
+    done = ws_answers(cluster.ws_url, 4)
+    replicas = {e["response"]["replica"] for e in done}
+    assert len(replicas) == 1 and None not in replicas
+    # A named session keeps its replica across connections, by header or by query.
+    by_query = ws_answers(cluster.ws_url + "?session=alice", 2)
+    again = ws_answers(cluster.ws_url + "?session=alice", 2)
+    by_header = ws_answers(cluster.ws_url, 2, additional_headers={"x-session-id": "alice"})
+    assert len({e["response"]["replica"] for e in by_query + again + by_header}) == 1
+
+
+def test_a_shared_prefix_meets_one_prefix_cache(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{cluster.base}/v1", api_key="unused", max_retries=0)
+    system = "You are a careful assistant. " + "Always answer in full sentences. " * 20
+    replicas, cached = set(), []
+    for question in ("What is a cat?", "Why is the sky blue?", "Name a prime.", "Hi!"):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", max_tokens=4, temperature=0,
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": question}])
+        assert raw.parse().usage.prompt_tokens > 100
+        replicas.add(raw.headers[REPLICA_HEADER])
+        cached.append(int(raw.headers[CACHED_TOKENS_HEADER]))
+    assert len(replicas) == 1
+    assert all(n >= 64 for n in cached[1:]), cached  # the system prompt's blocks
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+def test_streaming_over_websocket_and_sse(cluster):
+    with ws_open(cluster.ws_url) as ws:
+        session(ws)
+        say(ws, "Count with me.")
+        text, done, deltas = collect(ws, respond(ws, max_output_tokens=40, temperature=0,
+                                                 ignore_eos=True))
+    assert len(deltas) >= 1 and text == done["response"]["output"][0]["content"][0]["text"]
+    assert done["response"]["usage"]["output_tokens"] == 40 and done["response"]["replica"]
+    body = {"prompt": "Count", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{cluster.base}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER]
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
+def test_response_cancel_reaches_the_replica(cluster):
+    baseline = cluster.free_blocks()
+    with ws_open(cluster.ws_url) as ws:
+        session(ws)
+        say(ws, "Go on and on.")
+        rid = respond(ws, **LONG)
+        recv_until(ws, of_type("response.output_text.delta", response_id=rid))
+        send(ws, {"type": "response.cancel", "response_id": rid})
+        _, done, _ = collect(ws, rid)
+    assert done["response"]["status"] == "cancelled" and done["response"]["replica"]
+    cluster.wait_idle(baseline)
+
+
+@pytest.mark.parametrize("how", ["websocket", "sse"])
+def test_a_dropped_client_frees_the_remote_blocks(cluster, how):
+    baseline = cluster.free_blocks()
+    if how == "websocket":
+        with ws_open(cluster.ws_url) as ws:
+            session(ws)
+            say(ws, "Go on and on.")
+            rid = respond(ws, **LONG)
+            recv_until(ws, of_type("response.output_text.delta", response_id=rid))
+            ws.socket.shutdown(socket.SHUT_RDWR)  # vanish without a closing handshake
+    else:
+        body = {"prompt": "Go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{cluster.base}/v1/completions", json=body) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+    cluster.wait_idle(baseline)
+
+
+# ---------------------------------------------------------------------- failure (last: it
+# leaves Serve restarting a replica)
+
+
+def test_a_killed_replica_fails_its_answer_cleanly(cluster):
+    stats = cluster.stats()
+    with ws_open(cluster.ws_url) as ws:
+        session(ws)
+        say(ws, "Go on and on.")
+        rid = respond(ws, **LONG)
+        recv_until(ws, of_type("response.output_text.delta", response_id=rid))
+        (victim,) = [r for r, s in cluster.stats().items() if s["num_running"]]
+        ray.kill(ray.get_actor(stats[victim]["actor"], namespace="serve"), no_restart=True)
+        error, _ = recv_until(ws, of_type("error", response_id=rid))
+        _, done, _ = collect(ws, rid)
+        assert done["response"]["status"] == "failed"
+        assert error["error"]["code"] == "engine_error"
+        _, after, _ = collect(ws, respond(ws, **SHORT))  # the next one: another replica
+    assert after["response"]["status"] == "completed"
+    assert after["response"]["replica"] not in (None, victim)
