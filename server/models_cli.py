@@ -19,7 +19,8 @@ FETCH_GROUPS = {"qwen-coder": "the Qwen2.5-Coder 0.5B draft and 1.5B target",
 
 
 def add_models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    models = sub.add_parser("models", help="list the models --model takes by name; fetch the downloadable ones")
+    models = sub.add_parser("models", help="list the models --model takes by name; fetch "
+                            "the downloadable ones")
     msub = models.add_subparsers(dest="models_command", required=True)
     fetch = msub.add_parser("fetch", help="download, verify (SHA-256) and convert a model")
     fetch.add_argument("group", choices=sorted(FETCH_GROUPS),

@@ -242,7 +242,8 @@ async def run(request: Request, gw: Gateway, llm: AsyncLLM, ids: list[int], opts
         cache_salt=cache_namespace(tenant(request.scope), opts.cache_salt)))  # aclose() aborts
 
     def observe(out: RequestOutput) -> None:
-        gw.metrics.observe(out.usage, out.finish_reason, time.monotonic() - start)
+        gw.metrics.observe(out.usage, out.finish_reason, time.monotonic() - start,
+                           opts.priority)
 
     async def cleanup() -> None:
         await stream.aclose()  # aborts the engine request unless it finished

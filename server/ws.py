@@ -158,7 +158,7 @@ class Connection:
                     self.session.on_output(rid, out)
                     if out.finished:
                         self.gw.metrics.observe(out.usage, out.finish_reason,
-                                                time.monotonic() - start)
+                                                time.monotonic() - start, cmd.priority)
                     self._wake.set()
         except ProtocolError as err:
             self.session.on_failure(rid, err)

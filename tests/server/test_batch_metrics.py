@@ -5,11 +5,15 @@ moves ``priority="interactive"``; the label only takes the priority classes' nam
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
+import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from quickdraft.engine.outputs import Usage
@@ -96,6 +100,32 @@ def test_chat_completion_counts_as_interactive(http):
     assert moved(before, after, "quickdraft:time_to_first_token_seconds_count", **it) == 1
     assert moved(before, after, "quickdraft:request_success_total",
                  priority="background") == 0
+
+
+def test_background_priority_over_http_and_websocket_counts_as_background(http, mserved):
+    before = scrape(http)
+    r = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4,
+        "temperature": 0, "ignore_eos": True, "priority": "background"})
+    assert r.status_code == 200, r.text
+
+    async def over_ws() -> None:
+        async with websockets.connect(mserved.ws_url) as ws:
+            await ws.send(json.dumps({"type": "conversation.item.create",
+                                      "item": {"role": "user", "content": "Hi"}}))
+            await ws.send(json.dumps({"type": "response.create", "response": {
+                "max_output_tokens": 4, "temperature": 0, "priority": "background"}}))
+            while True:
+                event = orjson.loads(await asyncio.wait_for(ws.recv(), TIMEOUT))
+                assert event["type"] != "error", event
+                if event["type"] == "response.done":
+                    assert event["response"]["status"] == "completed", event
+                    break
+
+    asyncio.run(over_ws())
+    after = scrape(http)
+    assert moved(before, after, "quickdraft:request_success_total", priority="background") == 2
+    assert moved(before, after, "quickdraft:request_success_total", priority="interactive") == 0
 
 
 def test_priority_label_takes_only_class_names():
