@@ -305,6 +305,7 @@ class Repl:
         return True
 
     def quit(self, _: str) -> bool:
+        note("[bye]")
         return False
 
     def call(self, coro: Coroutine[Any, Any, None]) -> bool:

@@ -86,6 +86,7 @@ def save(child: Any, path: Path) -> list[dict[str, str]]:
 
 def quit_with(child: Any, line: str) -> None:
     child.sendline(line)
+    child.expect_exact("[bye]")
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0 and child.signalstatus is None
