@@ -19,6 +19,7 @@ headers go out) and ``response.replica`` in the WebSocket ``response.done`` even
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import uuid
 from dataclasses import dataclass
@@ -231,3 +232,68 @@ def app_builder(args: dict[str, Any]) -> Any:
             server[key] = tuple(server[key])
     settings = ServerSettings(engine=EngineConfig(**(args.get("engine") or {})), **server)
     return build_app(settings, RayOptions(**(args.get("ray") or {})))
+
+
+# ---------------------------------------------------------------------- quickdraft serve --ray
+
+
+def serve_on_ray(settings: ServerSettings, *, replicas: int = 1,
+                 address: str | None = None) -> int:
+    """``quickdraft serve --ray``: start a local Ray (or join ``address``), run the app with
+    ``replicas`` engine replicas (one GPU each when the cluster has GPUs and the engine may
+    use one), print the URLs and serve until SIGINT/SIGTERM; the exit status."""
+    import signal
+    import sys
+    import threading
+
+    import ray
+
+    if replicas < 1:
+        print(f"quickdraft: error: --replicas must be >= 1, got {replicas}", file=sys.stderr)
+        return 2
+    level = logging.getLevelNamesMapping()[serve_logging(settings.log_level)["log_level"]]
+    ray.init(address=address, logging_level=level)
+    try:
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        opts = ray_options(settings.engine, replicas, ray.cluster_resources())
+        print(f"quickdraft: starting {replicas} engine replica(s) of {settings.model_name} on "
+              f"Ray ({opts.engine_cpus:g} CPU, {opts.engine_gpus:g} GPU each)", file=sys.stderr,
+              flush=True)
+        try:
+            serve.run(build_app(settings, opts), name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:  # a deployment failed (its replica logs say why)
+            print(f"quickdraft: error: the Serve app failed to start: {exc}", file=sys.stderr)
+            return 2
+        print(urls(settings), flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        print("quickdraft: stopping the Serve app", file=sys.stderr, flush=True)
+        serve.delete(APP_NAME)
+        return 0
+    finally:
+        if address is None:  # the Ray we started
+            serve.shutdown()
+            ray.shutdown()
+
+
+def ray_options(config: EngineConfig, replicas: int, resources: dict[str, float]) -> RayOptions:
+    """``replicas`` engine replicas: one GPU each when the cluster has one and the engine's
+    device allows CUDA; ``num_threads`` CPUs each when set, else an even share of the
+    cluster's CPUs (at most 1; Ray's CPUs are a reservation, not a limit)."""
+    gpus = 1.0 if resources.get("GPU", 0) >= 1 and config.device != "cpu" else 0.0
+    gateway = RayOptions.gateway_cpus
+    share = math.floor(100 * (resources.get("CPU", 1.0) - gateway) / replicas) / 100
+    cpus = float(config.num_threads) if config.num_threads else min(1.0, share)
+    return RayOptions(replicas=replicas, engine_cpus=max(cpus, 0.01), engine_gpus=gpus)
+
+
+def urls(settings: ServerSettings) -> str:
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    base = f"{host}:{settings.port}"
+    return (f"quickdraft: serving {settings.model_name} on Ray Serve at http://{base}\n"
+            f"  WebSocket        ws://{base}/v1/ws  (?session=ID or x-session-id: sticky)\n"
+            f"  OpenAI base URL  http://{base}/v1\n"
+            f"  health, metrics  http://{base}/health, /metrics\n"
+            f"  replicas         response header {REPLICA_HEADER}, response.done replica")

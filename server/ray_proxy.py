@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
 
 from quickdraft.engine.async_engine import EngineDeadError
 from quickdraft.engine.outputs import RequestOutput
@@ -31,7 +32,7 @@ from quickdraft.server.ray_engine import DeltaBatch, EngineRequest
 from quickdraft.spec.params import SpeculationParams
 
 log = logging.getLogger(__name__)
-STATS_PERIOD = 1.0  # seconds between two polls of every replica's stats
+STATS_MAX_AGE = 1.0  # seconds: an older stats snapshot is refreshed when next asked for
 CONTROL_TIMEOUT = 10.0  # seconds an abort or a stats poll may take
 
 
@@ -69,7 +70,7 @@ class RemoteLLM:
 
     def __init__(self, handle: Any, frontend: LocalFrontend, *, block_size: int,
                  loop: asyncio.AbstractEventLoop, key_blocks: int = DEFAULT_KEY_BLOCKS,
-                 stats_period: float = STATS_PERIOD) -> None:
+                 stats_max_age: float = STATS_MAX_AGE) -> None:
         self.engine = frontend
         self._handle = handle
         self._stream = handle.options(stream=True)
@@ -80,8 +81,10 @@ class RemoteLLM:
         self._aborted: set[str] = set()  # ids aborted before their replica was known
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stats: dict[str, Any] = {}
+        self._stats_max_age = stats_max_age
+        self._stats_time = -float("inf")  # loop time of the last refresh's start
         self._running = True
-        loop.call_soon_threadsafe(self._spawn, self._poll_stats(stats_period))
+        loop.call_soon_threadsafe(self._refresh_stats)
 
     # ------------------------------------------------------------------ requests
 
@@ -124,7 +127,7 @@ class RemoteLLM:
                         return
             finished = True
             raise EngineDeadError(f"engine replica {replica} ended the stream early")
-        except RayError as exc:  # the replica died or could not be reached
+        except (RayError, RayServeException) as exc:  # the replica died, or none is up
             finished = True
             raise EngineDeadError(f"engine replica {replica or '(unassigned)'} failed: "
                                   f"{type(exc).__name__}") from exc
@@ -162,28 +165,38 @@ class RemoteLLM:
     def _send_abort(self, request_id: str) -> None:
         """Every replica gets the abort (a broadcast bypasses the replicas' request limits, so
         a full replica still hears it); the one running the request frees its blocks."""
-        self._spawn(self._control(self._handle.broadcast("abort", request_id)))
+        self._spawn(self._control("abort", request_id))
 
     # ------------------------------------------------------------------ state
 
     def stats(self) -> dict[str, Any]:
-        """The engine replicas' stats added up (kv_usage: their mean), as last polled, with
-        each replica's own under ``replicas``."""
+        """The engine replicas' stats added up (kv_usage: their mean), with each replica's
+        own under ``replicas``: the last snapshot, refreshed in the background when it is
+        older than ``stats_max_age`` (so a /metrics scrape sees the previous poll's numbers,
+        and an idle gateway polls nobody)."""
+        with contextlib.suppress(RuntimeError):  # the loop has closed
+            self._loop.call_soon_threadsafe(self._refresh_stats)
         return self._stats
 
-    async def _poll_stats(self, period: float) -> None:
-        while self._running:
-            per_replica = await self._control(self._handle.broadcast("stats"))
-            if per_replica:
-                self._stats = merge_stats(per_replica)
-            await asyncio.sleep(period)
+    def _refresh_stats(self) -> None:
+        now = self._loop.time()
+        if self._running and now - self._stats_time >= self._stats_max_age:
+            self._stats_time = now
+            self._spawn(self._poll_stats())
 
-    async def _control(self, response: Any) -> list[Any] | None:
-        """The results of a broadcast, or None (logged) if it failed or timed out."""
+    async def _poll_stats(self) -> None:
+        per_replica = await self._control("stats")
+        if per_replica:
+            self._stats = merge_stats(per_replica)
+
+    async def _control(self, method: str, *args: Any) -> list[Any] | None:
+        """``method(*args)`` on every engine replica: their results, or None (logged) if the
+        call failed or timed out."""
         try:
+            response = self._handle.broadcast(method, *args)
             results = await asyncio.wait_for(response.results_async(), CONTROL_TIMEOUT)
-        except (RayError, TimeoutError, RuntimeError) as exc:
-            log.warning("engine control call failed: %s", exc)
+        except (RayError, RayServeException, TimeoutError, RuntimeError) as exc:
+            log.warning("engine %s call failed: %s: %s", method, type(exc).__name__, exc)
             return None
         return list(results)
 

@@ -65,6 +65,14 @@ def add_serve_parser(sub: Any) -> None:
     b.add_argument("--max-upload-size", type=int, default=_DEFAULTS["max_upload_size"],
                    help=f"bytes per uploaded file (default {_DEFAULTS['max_upload_size']})")
     # --- end batch jobs ---
+    r = p.add_argument_group("scale-out on Ray Serve (docs/scale-out.md; pip install "
+                             "'quickdraft[ray]')")
+    r.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve: one gateway, --replicas engine replicas")
+    r.add_argument("--replicas", type=int, default=1, help="engine replicas with --ray "
+                   "(default 1)")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: start a local one)")
     p.set_defaults(func=run_serve)
 
 
@@ -109,6 +117,14 @@ def run_serve(args: argparse.Namespace) -> int:
     except (SettingsError, ConfigError) as exc:
         print(f"quickdraft: error: {exc}", file=sys.stderr)
         return 2
+    if args.ray:
+        try:
+            from quickdraft.server.ray_app import serve_on_ray
+        except ImportError as exc:
+            print(f"quickdraft: error: --ray needs Ray Serve ({exc}); pip install "
+                  "'quickdraft[ray]'", file=sys.stderr)
+            return 2
+        return serve_on_ray(settings, replicas=args.replicas, address=args.ray_address)
     from quickdraft.server.runner import serve
 
     return serve(settings)
