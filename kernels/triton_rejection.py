@@ -3,11 +3,12 @@
 Same rules, same random draws, same results as the torch reference (read its module
 docstring for the rules). The work is split in two:
 
-* **torch** (shared with the reference, :func:`spec.rejection_sampler._prepare`): validation,
-  the batch layout, penalties and temperature / top-k / top-p / min-p on the target rows
-  (``[R, V]`` processed logits), and the random numbers. Those are drawn **on CPU** with the
-  requests' CPU ``torch.Generator``\\ s, in the reference's order: first the ``[D]`` acceptance
-  uniforms (:func:`spec.rejection_sampler._draft_uniforms`), then the ``[S, V]`` Exp(1)
+* **torch** (shared with the reference through the public :mod:`spec.verification`:
+  :func:`~spec.verification.prepare_verification`): validation, the batch layout, penalties
+  and temperature / top-k / top-p / min-p on the target rows (``[R, V]`` processed logits),
+  and the random numbers. Those are drawn **on CPU** with the requests' CPU
+  ``torch.Generator``\\ s, in the reference's order: first the ``[D]`` acceptance uniforms
+  (:func:`spec.verification.draft_uniforms`), then the ``[S, V]`` Exp(1)
   noise of the ``S`` sampled requests' final draws
   (:func:`engine.sampler.draw_exponential_noise_`, what ``sample_from_probs`` uses). They are
   then copied to the logits' device (``D + S * V`` floats), which keeps a seeded request's
@@ -45,8 +46,13 @@ import torch
 
 from quickdraft.engine.sampler import SamplingBatch, draw_exponential_noise_
 from quickdraft.kernels.triton_common import INTERPRET, available, jit, next_pow2, require, tl
-from quickdraft.spec import rejection_sampler as ref
-from quickdraft.spec.rejection_sampler import VerifyOutput
+from quickdraft.spec.verification import (
+    VerifyLayout,
+    VerifyOutput,
+    assemble_output,
+    draft_uniforms,
+    prepare_verification,
+)
 
 try:
     from triton.language.extra import libdevice
@@ -216,7 +222,7 @@ def _random_draws(
     ``(uniforms [D] fp32, noise [S, V] fp32, noise_rows [B] int32)``: the acceptance uniforms
     (0 for greedy requests' drafts), the Exp(1) noise of the sampled requests' final draws,
     and each request's row of noise (-1 for greedy requests)."""
-    uniforms = ref._draft_uniforms(num_drafts, batch, "cpu")  # [D]
+    uniforms = draft_uniforms(num_drafts, batch, "cpu")  # [D]
     sampled = [i for i, p in enumerate(batch.params) if not p.greedy]
     noise = torch.empty(len(sampled), vocab, dtype=torch.float32)  # [S, V]
     if sampled:
@@ -232,7 +238,7 @@ def _unit_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    logits: torch.Tensor, layout: ref._Layout, draft_probs: torch.Tensor | None,
+    logits: torch.Tensor, layout: VerifyLayout, draft_probs: torch.Tensor | None,
     uniforms: torch.Tensor, noise: torch.Tensor, noise_rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel; returns ``(tokens [B] int64, num_accepted [B] int64)``."""
@@ -272,8 +278,9 @@ def rejection_sample(
     are drawn on CPU, see the module docstring). Same draws and results as the reference.
     """
     require("quickdraft.kernels.triton_rejection")
-    raw, layout, _, logits = ref._prepare(target_logits, draft_token_ids, draft_probs, batch)
+    prep = prepare_verification(target_logits, draft_token_ids, draft_probs, batch)
     uniforms, noise, noise_rows = _random_draws(
-        [len(d) for d in draft_token_ids], batch, logits.shape[1])
-    tokens, accepted = _launch(logits, layout, draft_probs, uniforms, noise, noise_rows)
-    return ref._output(draft_token_ids, raw, layout, batch, accepted, tokens)
+        [len(d) for d in draft_token_ids], batch, prep.logits.shape[1])
+    tokens, accepted = _launch(prep.logits, prep.layout, draft_probs, uniforms, noise,
+                               noise_rows)
+    return assemble_output(draft_token_ids, prep.raw, prep.layout, batch, accepted, tokens)

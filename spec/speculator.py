@@ -18,9 +18,9 @@ from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
 from quickdraft.spec.ngram import NgramProposer
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy
-from quickdraft.spec.rejection_sampler import supports_speculation
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_tree import available as suffix_tree_available
+from quickdraft.spec.verification import supports_speculation
 
 
 @dataclass

@@ -68,3 +68,26 @@ def test_replica_resources():
     assert ray_options(config, 4, {"CPU": 64.0, "GPU": 4.0}).engine_cpus == 1.0
     assert ray_options(config, 4, {"CPU": 64.0, "GPU": 4.0}).engine_gpus == 1.0
     assert ray_options(EngineConfig(device="cpu"), 1, {"CPU": 8, "GPU": 1}).engine_gpus == 0
+
+
+def test_the_documented_config_builds(tmp_path):
+    import re
+    from pathlib import Path
+
+    import yaml
+    from ray.serve import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    from quickdraft.server.ray_app import app_builder, autoscaling
+
+    doc = (Path(__file__).parents[2] / "docs" / "scale-out.md").read_text()
+    (block,) = re.findall(r"```yaml\n(.*?)```", doc, re.DOTALL)
+    config = yaml.safe_load(block)
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "quickdraft.server.ray_app:app_builder"
+    args = app["args"]
+    args["engine"]["model"] = str(tmp_path)  # nothing loads while the app is only built
+    assert isinstance(app_builder(args), Application)
+    scaling = autoscaling(EngineConfig(**args["engine"]), 1, 4)
+    assert scaling == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 24}

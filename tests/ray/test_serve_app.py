@@ -156,6 +156,20 @@ def test_a_shared_prefix_meets_one_prefix_cache(cluster):
     assert all(n >= 64 for n in cached[1:]), cached  # the system prompt's blocks
 
 
+def test_engine_errors_and_metrics_come_back_as_from_one_engine(cluster):
+    r = httpx.post(f"{cluster.base}/v1/completions", timeout=60,
+                   json={"prompt": [10**9], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    per_replica = [s["prefix_cache_queries"] for s in cluster.stats().values()]
+    httpx.get(f"{cluster.base}/metrics")  # the first scrape starts a poll of every replica
+    time.sleep(1.5)
+    text = httpx.get(f"{cluster.base}/metrics").text
+    (queries,) = [float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("quickdraft:prefix_cache_queries_total{")]
+    assert len(per_replica) == 2 and min(per_replica) > 0  # earlier tests used both
+    assert queries == sum(per_replica)  # the gateway's engine metrics add the replicas up
+
+
 # ---------------------------------------------------------------------- streaming
 
 

@@ -8,7 +8,8 @@ from scipy.stats import binomtest, chisquare
 
 from quickdraft.engine.sampler import SamplingBatch, apply_temperature_and_filters, sample
 from quickdraft.engine.sampling_params import SamplingParams
-from quickdraft.spec.rejection_sampler import VerifyOutput, rejection_sample, supports_speculation
+from quickdraft.spec.rejection_sampler import rejection_sample
+from quickdraft.spec.verification import VerifyOutput, supports_speculation
 
 GREEDY = SamplingParams(temperature=0.0)
 
