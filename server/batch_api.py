@@ -21,6 +21,7 @@ from quickdraft.server.batch_store import BatchStore
 from quickdraft.server.batch_worker import BatchWorker
 from quickdraft.server.errors import ProtocolError, invalid, missing, wrong_type
 from quickdraft.server.gateway import Gateway
+from quickdraft.server.guard import tenant
 from quickdraft.server.openai_api import read_json
 from quickdraft.server.params import JSON, Fields
 from quickdraft.server.settings import ServerSettings
@@ -175,7 +176,7 @@ async def create_batch(request: Request) -> Response:
         raise invalid("input_file_id", f"file {file_id} has purpose "
                       f"{input_file['purpose']!r}; a batch input needs purpose 'batch'")
     batch = await asyncio.to_thread(store.create_batch, file_id, endpoint, window, metadata,
-                                    svc.worker.link.model_name)
+                                    svc.worker.link.model_name, tenant(request.scope))
     svc.worker.wake()
     return JSONResponse(batch)
 

@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 
 JSON = dict[str, Any]
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: batches.tenant
 # Statuses a batch passes through; the first four are "active": the worker still owes work.
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS batches (
     status            TEXT NOT NULL,
     model             TEXT,
     metadata          TEXT,            -- JSON object or NULL
+    tenant            TEXT,            -- the creating API key's tenant (server.guard), or NULL
     errors            TEXT,            -- JSON list of {code, message, param, line} or NULL
     output_file_id    TEXT,
     error_file_id     TEXT,
@@ -114,6 +115,7 @@ class PendingLine:
     idx: int
     custom_id: str
     body: JSON
+    tenant: str | None = None  # runs in its batch creator's cache namespace
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,8 @@ class BatchStore:
             if version > SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path} was written by a newer quickdraft "
                                    f"(schema {version} > {SCHEMA_VERSION})")
+            if version == 1:  # written before batches had a tenant: theirs run tenant-less
+                self._db.execute("ALTER TABLE batches ADD COLUMN tenant TEXT")
             self._db.executescript(_SCHEMA)  # idempotent (IF NOT EXISTS)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except BaseException:
@@ -193,16 +197,19 @@ class BatchStore:
     # ------------------------------------------------------------------ batches
 
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None, model: str | None = None) -> JSON:
+                     metadata: dict[str, str] | None, model: str | None = None,
+                     tenant: str | None = None) -> JSON:
+        """A new batch in ``validating``; its lines will run as ``tenant`` (the creating API
+        key's: they share prefix-cache blocks and drafting history only with that key)."""
         batch_id, created = new_id("batch_"), now()
         expires = created + COMPLETION_WINDOW_S.get(completion_window, 24 * 3600)
         with self._tx() as db:
             db.execute("INSERT INTO batches (id, endpoint, input_file_id, completion_window, "
-                       "status, model, metadata, created_at, expires_at) "
-                       "VALUES (?, ?, ?, ?, 'validating', ?, ?, ?, ?)",
+                       "status, model, metadata, tenant, created_at, expires_at) "
+                       "VALUES (?, ?, ?, ?, 'validating', ?, ?, ?, ?, ?)",
                        (batch_id, endpoint, input_file_id, completion_window, model,
                         None if metadata is None else orjson.dumps(metadata).decode(),
-                        created, expires))
+                        tenant, created, expires))
         batch = self.get_batch(batch_id)
         assert batch is not None
         return batch
@@ -310,11 +317,11 @@ class BatchStore:
 
     def pending_lines(self, batch_id: str) -> list[PendingLine]:
         rows = self._read(
-            "SELECT l.idx, l.custom_id, l.request, b.endpoint FROM lines l "
+            "SELECT l.idx, l.custom_id, l.request, b.endpoint, b.tenant FROM lines l "
             "JOIN batches b ON b.id = l.batch_id "
             "WHERE l.batch_id = ? AND l.status = 'pending' ORDER BY l.idx", (batch_id,))
-        return [PendingLine(batch_id, endpoint, idx, custom_id, orjson.loads(request))
-                for idx, custom_id, request, endpoint in rows]
+        return [PendingLine(batch_id, endpoint, idx, custom_id, orjson.loads(request), tenant)
+                for idx, custom_id, request, endpoint, tenant in rows]
 
     def record(self, batch_id: str, idx: int, ok: bool, result: JSON, prompt_tokens: int = 0,
                completion_tokens: int = 0) -> bool:

@@ -41,7 +41,14 @@ from quickdraft.server.batch_store import BatchStore, LineRecord, PendingLine, n
 from quickdraft.server.errors import ProtocolError, engine_failed, invalid, unsupported
 from quickdraft.server.openai_api import parse_messages, parse_options, parse_prompt
 from quickdraft.server.openai_format import CompletionFormat
-from quickdraft.server.params import JSON, PRIORITY_CLASSES, Fields, build_sampling, fit_max_tokens
+from quickdraft.server.params import (
+    JSON,
+    PRIORITY_CLASSES,
+    Fields,
+    build_sampling,
+    cache_namespace,
+    fit_max_tokens,
+)
 
 if TYPE_CHECKING:
     from quickdraft.server.metrics import GatewayMetrics
@@ -228,9 +235,10 @@ class Answer:
 
 
 async def execute(link: EngineLink, endpoint: str, body: JSON,
-                  priority: int = BACKGROUND) -> Answer:
+                  priority: int = BACKGROUND, tenant: str | None = None) -> Answer:
     """Run one request body the way POST ``endpoint`` would (same parsing, same response
-    shape), never streamed, at ``priority``. An HTTP error becomes an Answer with its status
+    shape), never streamed, at ``priority``, in ``tenant``'s cache namespace (refined by the
+    body's ``cache_salt``, as over HTTP). An HTTP error becomes an Answer with its status
     and ``{"error": ...}`` body; raises Unavailable if the engine cannot take requests now."""
     try:
         llm = link.engine()
@@ -257,7 +265,7 @@ async def execute(link: EngineLink, endpoint: str, body: JSON,
                                tokenizer=llm.engine.tokenizer, logprobs=opts.logprobs)
         start = time.monotonic()
         outputs = await _generate(llm, ids, params, fmt.id, priority, opts.speculation,
-                                  prompt_param)
+                                  prompt_param, cache_namespace(tenant, opts.cache_salt))
     except ProtocolError as err:
         return Answer(err.status, fmt.id if fmt else new_id("req_"), {"error": err.to_dict()})
     final, latency = outputs[-1], time.monotonic() - start
@@ -273,10 +281,11 @@ async def execute(link: EngineLink, endpoint: str, body: JSON,
 
 
 async def _generate(llm: AsyncLLM, ids: list[int], params: Any, request_id: str,
-                    priority: int, speculation: Any, prompt_param: str) -> list[RequestOutput]:
+                    priority: int, speculation: Any, prompt_param: str,
+                    cache_salt: str | None) -> list[RequestOutput]:
     stream = cast(AsyncGenerator[RequestOutput, None], llm.generate(
         prompt_token_ids=ids, sampling_params=params, request_id=request_id,
-        priority=priority, speculation=speculation))
+        priority=priority, speculation=speculation, cache_salt=cache_salt))
     outputs: list[RequestOutput] = []
     try:
         async with contextlib.aclosing(stream):  # cancelled: aclose() aborts the request
@@ -501,7 +510,8 @@ class BatchWorker:
 
     async def _run_line(self, store: BatchStore, line: PendingLine) -> None:
         try:
-            answer = await execute(self.link, line.endpoint, line.body, self.priority)
+            answer = await execute(self.link, line.endpoint, line.body, self.priority,
+                                     line.tenant)
         except Unavailable as exc:
             log.info("batch %s line %d postponed: %s", line.batch_id, line.idx, exc)
             if line.batch_id in self._loaded:
