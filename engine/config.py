@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-SPECULATION_METHODS = ("off", "ngram", "suffix", "draft", "combined")
+SPECULATION_METHODS = ("off", "ngram", "suffix", "recycling", "draft", "combined")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 WEIGHT_FORMATS = ("auto", "int4", "dense")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
@@ -50,9 +50,10 @@ class EngineConfig:
     # Capture decode/verification steps as CUDA graphs (only on CUDA with the triton backend).
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = 256  # largest captured step, in tokens (bucketed below it)
-    # off | ngram | suffix | draft | combined (draft and combined need draft_model). On by
-    # default (suffix; n-gram where its trie cannot be built): the adaptive policy turns
-    # drafts down wherever they would not pay for themselves.
+    # off | ngram | suffix | recycling | draft | combined (draft and combined need
+    # draft_model). On by default (suffix; n-gram where its trie cannot be built; token
+    # recycling where neither matches): the adaptive policy turns drafts down wherever they
+    # would not pay for themselves.
     speculation: str = "suffix"
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2

@@ -83,7 +83,8 @@ class LLMEngine:
                                    draft_cost=self._draft_cost())
         self.speculator = Speculator(
             config.speculation, config.num_speculative_tokens, config.ngram_min,
-            config.ngram_max, policy, self.kv, self.draft, self.max_model_len)
+            config.ngram_max, policy, self.kv, self.draft, self.max_model_len,
+            vocab_size=self.runner.vocab_size)
 
     def _load_draft(self) -> DraftModelRunner | None:
         if self.config.draft_model is None:
@@ -202,12 +203,12 @@ class LLMEngine:
             return self._fail_unschedulable()
         self.threads.before_step()
         now = time.monotonic()
-        for s in sched.requests:
-            request = self.scheduler.requests[s.request_id]
+        requests = [self.scheduler.requests[s.request_id] for s in sched.requests]
+        for request in requests:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         try:
-            result = self.runner.execute(sched)
+            result = self.runner.execute(sched, self.speculator.recycler(requests))
         except Exception as exc:  # one bad step must not take the engine down
             log.exception("model step failed")
             ids = [s.request_id for s in sched.requests]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,10 +148,14 @@ class ModelRunner:
             hidden = hidden[index.to(self.device, non_blocking=True)]
         return self.model.compute_logits(hidden)
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput,
+                observe: Callable[[torch.Tensor, StepPlan], None] | None = None) -> RunnerOutput:
+        """``observe``: shown the step's logits and plan before sampling (token recycling)."""
         plan = plan_step(sched)
         sampled: list[list[int]] = [[] for _ in sched.requests]
         logits = self.forward_logits(plan)  # [num_sample_rows, vocab]
+        if observe is not None and plan.sample_requests:
+            observe(logits, plan)
         if not plan.sample_requests:
             return RunnerOutput(sampled, None)
         reqs = [sched.requests[i] for i in plan.sample_requests]

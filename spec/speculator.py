@@ -10,14 +10,19 @@ then schedules them with the request's next token and the runner verifies them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from quickdraft.engine.kv_cache import KVCacheManager
 from quickdraft.engine.request import Request
+from quickdraft.engine.step_plan import StepPlan
 from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
 from quickdraft.spec.ngram import NgramProposer
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy
+from quickdraft.spec.recycling import RecyclingProposer
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_tree import available as suffix_tree_available
 from quickdraft.spec.verification import supports_speculation
@@ -47,28 +52,33 @@ class SpeculationStats:
 @dataclass
 class _Candidate:
     request: Request
-    drafts: list[int] | None  # n-gram drafts; None = ask the draft model
+    drafts: list[int] | None  # model-free drafts; None = ask the draft model
     available: int
     tracker: AcceptanceTracker
 
 
 class Speculator:
     """Chooses each running request's drafts. ``kv`` is asked (never edited) for draft slots;
-    ``draft`` is the draft-model runner (None: n-gram only)."""
+    ``draft`` is the draft-model runner (None: n-gram only); ``vocab_size`` sizes the token
+    recycling tables (0: no recycling)."""
 
     def __init__(self, method: str, max_k: int, ngram_min: int, ngram_max: int,
                  policy: SpeculationPolicy, kv: KVCacheManager | None = None,
-                 draft: DraftModelRunner | None = None, max_model_len: int = 1 << 30) -> None:
+                 draft: DraftModelRunner | None = None, max_model_len: int = 1 << 30,
+                 vocab_size: int = 0) -> None:
         self.method = method
         self.max_k = max_k
         self.proposer = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
         # suffix tries (per request, per tenant); None without gcc: "suffix" drafts n-grams
         self.suffix = SuffixProposer(_suffix_config()) if suffix_tree_available() else None
+        # target-prediction tables (per tenant): "recycling", and "suffix" when nothing matched
+        self.recycling = RecyclingProposer(vocab_size) if vocab_size else None
         self.policy = policy
         self.kv = kv
         self.draft = draft
         self.max_model_len = max_model_len
-        # Per request and source ("ngram" / "draft"): acceptance differs a lot between them.
+        # Per request and source ("ngram" / "suffix" / "recycling" / "draft"): acceptance
+        # differs a lot between them.
         self._trackers: dict[tuple[str, str], AcceptanceTracker] = {}
         self._verifying: dict[str, AcceptanceTracker] = {}  # tracker of this step's drafts
         # Draft-model cache progress: request id -> (valid positions, preemptions seen).
@@ -95,22 +105,39 @@ class Speculator:
 
     def _candidate(self, request: Request, k: int) -> _Candidate | None:
         method = self.method_of(request)
-        rid = request.request_id
+        drafts: list[int] = []
+        source = ""
         if method == "suffix" and self.suffix is not None:
-            drafts = self.suffix.propose(request, k).tokens
-            if not drafts:
-                return None
-            tracker = self._trackers.setdefault((rid, "suffix"), AcceptanceTracker())
-            return _Candidate(request, drafts, len(drafts), tracker)
-        if method in ("ngram", "combined") or method == "suffix":
+            drafts, source = self.suffix.propose(request, k).tokens, "suffix"
+        elif method in ("ngram", "combined", "suffix"):
             drafts = self.proposer.propose(_context(request, self.proposer.max_context))[:k]
-            if drafts:
-                tracker = self._trackers.setdefault((rid, "ngram"), AcceptanceTracker())
-                return _Candidate(request, drafts, len(drafts), tracker)
+            source = "ngram"
+        if not drafts and method in ("suffix", "recycling") and self.recycling is not None:
+            # nothing to copy (a chat prompt): follow the target's own recent predictions
+            drafts, source = self.recycling.propose(request, k), "recycling"
+        if drafts:
+            tracker = self._trackers.setdefault((request.request_id, source),
+                                                AcceptanceTracker())
+            return _Candidate(request, drafts, len(drafts), tracker)
         if method in ("draft", "combined") and self.draft is not None:
-            tracker = self._trackers.setdefault((rid, "draft"), AcceptanceTracker())
+            tracker = self._trackers.setdefault((request.request_id, "draft"),
+                                                AcceptanceTracker())
             return _Candidate(request, None, k, tracker)
         return None
+
+    def recycler(self, requests: list[Request]
+                 ) -> Callable[[torch.Tensor, StepPlan], None] | None:
+        """What the runner calls with a step's logits ``[num_sample_rows, vocab]`` and plan to
+        feed the recycling tables, for the step's ``requests`` (in the scheduler output's
+        order); None (no top-k computed) when none of them drafts with recycling."""
+        if self.recycling is None:
+            return None
+        wanted = [self.method_of(r) in ("suffix", "recycling")
+                  and supports_speculation(r.sampling_params) for r in requests]
+        if not any(wanted):
+            return None
+        recycling, tenants = self.recycling, [r.cache_salt for r in requests]
+        return lambda logits, plan: recycling.observe_step(logits, plan, tenants, wanted)
 
     def propose(self, running: list[Request], num_plain_tokens: int) -> None:
         """Fill ``spec_token_ids`` (and ``spec_draft_probs``) of the running requests."""
@@ -199,7 +226,7 @@ class Speculator:
         """The request is done: drop its state; with ``learn``, its output joins its
         tenant's suffix partition (only requests that ran to a normal end)."""
         request_id = request.request_id
-        for source in ("ngram", "suffix", "draft"):
+        for source in ("ngram", "suffix", "recycling", "draft"):
             self._trackers.pop((request_id, source), None)
         self._verifying.pop(request_id, None)
         self._draft_progress.pop(request_id, None)

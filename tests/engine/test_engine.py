@@ -89,7 +89,9 @@ def test_logprobs_of_chosen_tokens(engine):
 @pytest.mark.parametrize("steps_before_abort", [1, 5])  # mid-prefill (chunked), mid-decode
 def test_abort_frees_blocks(engine, steps_before_abort):
     free = engine.kv.num_free_blocks
-    engine.add_request("victim", "word " * 40, GREEDY)
+    # (a longer answer: with speculation 12 tokens can be done in 3 decode steps)
+    engine.add_request("victim", "word " * 40,
+                       SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     engine.add_request("bystander", "hello", GREEDY)
     outs: dict[str, list] = {}
     for _ in range(steps_before_abort):
@@ -110,7 +112,7 @@ def test_failing_step_errors_its_requests_and_engine_carries_on(engine, monkeypa
     engine.add_request("doomed", "this step will fail", GREEDY)
     original = engine.runner.execute
 
-    def explode(sched):
+    def explode(sched, *args):
         monkeypatch.setattr(engine.runner, "execute", original)
         raise RuntimeError("simulated kernel failure")
 
