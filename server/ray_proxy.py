@@ -78,7 +78,8 @@ class RemoteLLM:
         self._key_blocks = key_blocks
         self._loop = loop
         self._ids = itertools.count()
-        self._aborted: set[str] = set()  # ids aborted before their replica was known
+        self._active: set[str] = set()  # ids of the requests streaming through here
+        self._aborted: set[str] = set()  # active ids aborted (sent again once routed)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stats: dict[str, Any] = {}
         self._stats_max_age = stats_max_age
@@ -109,6 +110,7 @@ class RemoteLLM:
                                 priority, speculation, cache_salt)
         stream = self._stream.generate.remote(request, affinity_key=key)
         finished, replica = False, None
+        self._active.add(rid)
         try:
             async for batch in stream:
                 assert isinstance(batch, DeltaBatch)
@@ -132,6 +134,7 @@ class RemoteLLM:
             raise EngineDeadError(f"engine replica {replica or '(unassigned)'} failed: "
                                   f"{type(exc).__name__}") from exc
         finally:
+            self._active.discard(rid)
             self._aborted.discard(rid)
             if not finished:  # the caller left: stop the remote request
                 stream.cancel()
@@ -159,8 +162,9 @@ class RemoteLLM:
         self._loop.call_soon_threadsafe(self._abort_now, request_id)
 
     def _abort_now(self, request_id: str) -> None:
-        self._aborted.add(request_id)
-        self._send_abort(request_id)
+        if request_id in self._active:
+            self._aborted.add(request_id)
+            self._send_abort(request_id)
 
     def _send_abort(self, request_id: str) -> None:
         """Every replica gets the abort (a broadcast bypasses the replicas' request limits, so

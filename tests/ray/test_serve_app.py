@@ -227,7 +227,7 @@ def test_a_killed_replica_fails_its_answer_cleanly(cluster):
     with ws_open(cluster.ws_url) as ws:
         session(ws)
         say(ws, "Go on and on.")
-        rid = respond(ws, **LONG)
+        rid = respond(ws, **{**LONG, "max_output_tokens": 2000})  # still running when killed
         recv_until(ws, of_type("response.output_text.delta", response_id=rid))
         (victim,) = [r for r, s in cluster.stats().items() if s["num_running"]]
         ray.kill(ray.get_actor(stats[victim]["actor"], namespace="serve"), no_restart=True)
