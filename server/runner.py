@@ -83,15 +83,15 @@ class GatewayServer(uvicorn.Server):
             if weights.native_layers:
                 lines += (f"\n  decoder layers   {weights.native_layers} in one native call "
                           "each (kernels/cpu_layer.cpp)")
+        if threads is not None:
+            t = threads.describe()
+            lines += f"\n  CPU threads      {t['threads']} of {t['max_threads']}, {t['mode']}"
         native = native_kernels(engine)
         if missing := {k: v for k, v in native.items() if v != "ok"}:
             lines += "".join(f"\n  ERROR            native kernel {k} unavailable ({v}); "
                              "the slow torch fallback runs" for k, v in sorted(missing.items()))
         elif native:
             lines += f"\n  native kernels   {', '.join(sorted(native))}"
-        if threads is not None:
-            t = threads.describe()
-            lines += f"\n  CPU threads      {t['threads']} of {t['max_threads']}, {t['mode']}"
         return lines
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
