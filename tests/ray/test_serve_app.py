@@ -3,7 +3,9 @@ the tiny random model, real HTTP, SSE and WebSocket clients through Serve's prox
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -43,6 +45,8 @@ from tests.server.conftest import (  # noqa: E402
 )
 
 START_TIMEOUT = 120.0  # seconds for Ray, Serve and three replicas on 2 busy cores
+ENDLESS = 6000  # tokens: ~20 s of answer, so an abort is told from a natural finish
+ABORT_WAIT = 5.0  # seconds for an abort to free a replica's blocks
 
 
 @dataclass
@@ -80,14 +84,23 @@ def free_port() -> int:
     return port
 
 
+def long_context_copy(model_dir: Path, dest: Path) -> Path:
+    """The tiny model with an 8192-token context (rotary positions need no weights)."""
+    shutil.copytree(model_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    return dest
+
+
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path) -> Iterator[Cluster]:
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    model = long_context_copy(tiny_model_dir, tmp_path_factory.mktemp("ray") / "tiny-8k")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        engine = EngineConfig(model=str(tiny_model_dir), **ENGINE_KW)
+        engine = EngineConfig(model=str(model), **{**ENGINE_KW, "num_kv_blocks": 512})
         settings = ServerSettings(engine=engine, served_model_name="tiny", log_level="warning")
         opts = RayOptions(replicas=2, engine_cpus=0.25, gateway_cpus=0.25)
         serve.run(build_app(settings, opts), name=APP_NAME, route_prefix="/")
@@ -193,29 +206,36 @@ def test_response_cancel_reaches_the_replica(cluster):
     with ws_open(cluster.ws_url) as ws:
         session(ws)
         say(ws, "Go on and on.")
-        rid = respond(ws, **LONG)
+        rid = respond(ws, **{**LONG, "max_output_tokens": ENDLESS})
         recv_until(ws, of_type("response.output_text.delta", response_id=rid))
         send(ws, {"type": "response.cancel", "response_id": rid})
         _, done, _ = collect(ws, rid)
     assert done["response"]["status"] == "cancelled" and done["response"]["replica"]
-    cluster.wait_idle(baseline)
+    cluster.wait_idle(baseline, ABORT_WAIT)
 
 
-@pytest.mark.parametrize("how", ["websocket", "sse"])
+@pytest.mark.parametrize("how", ["websocket", "sse", "whole"])
 def test_a_dropped_client_frees_the_remote_blocks(cluster, how):
     baseline = cluster.free_blocks()
     if how == "websocket":
         with ws_open(cluster.ws_url) as ws:
             session(ws)
             say(ws, "Go on and on.")
-            rid = respond(ws, **LONG)
+            rid = respond(ws, **{**LONG, "max_output_tokens": ENDLESS})
             recv_until(ws, of_type("response.output_text.delta", response_id=rid))
             ws.socket.shutdown(socket.SHUT_RDWR)  # vanish without a closing handshake
-    else:
-        body = {"prompt": "Go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    elif how == "sse":
+        body = {"prompt": "Go", "max_tokens": ENDLESS, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{cluster.base}/v1/completions", json=body) as r:
             assert next(r.iter_lines()).startswith("data: ")
-    cluster.wait_idle(baseline)
+    else:  # a client that gives up on a whole (non-streamed) answer
+        queries = sum(s["prefix_cache_queries"] for s in cluster.stats().values())
+        body = {"prompt": "Go", "max_tokens": ENDLESS, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{cluster.base}/v1/completions", json=body, timeout=1.0)
+        after = sum(s["prefix_cache_queries"] for s in cluster.stats().values())
+        assert after > queries  # an engine replica had started it
+    cluster.wait_idle(baseline, ABORT_WAIT)  # long before the answer could have finished
 
 
 # ---------------------------------------------------------------------- failure (last: it
@@ -227,7 +247,7 @@ def test_a_killed_replica_fails_its_answer_cleanly(cluster):
     with ws_open(cluster.ws_url) as ws:
         session(ws)
         say(ws, "Go on and on.")
-        rid = respond(ws, **{**LONG, "max_output_tokens": 2000})  # still running when killed
+        rid = respond(ws, **{**LONG, "max_output_tokens": ENDLESS})  # running when killed
         recv_until(ws, of_type("response.output_text.delta", response_id=rid))
         (victim,) = [r for r, s in cluster.stats().items() if s["num_running"]]
         ray.kill(ray.get_actor(stats[victim]["actor"], namespace="serve"), no_restart=True)
