@@ -26,7 +26,10 @@ def usage_view(u: Usage | None) -> JSON | None:
     if u is None:
         return None
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens, "timings": timings_view(u),
+            "total_tokens": u.total_tokens,
+            # OpenAI's name for prompt tokens served from the prefix cache
+            "prompt_tokens_details": {"cached_tokens": u.num_cached_tokens},
+            "timings": timings_view(u),
             "speculation": speculation_view(u)}
 
 

@@ -202,3 +202,18 @@ def test_concurrent_http_streams(client, served):
     for t in threads:
         t.join(60)
     assert len(results) == 3 and all(results)
+
+
+def test_usage_reports_cached_prompt_tokens(client, served):
+    """A repeated long prompt is served from the prefix cache, and usage says how much of it
+    (OpenAI's ``prompt_tokens_details.cached_tokens``)."""
+    messages = [{"role": "system", "content": "You answer briefly. " * 40},
+                {"role": "user", "content": "Hi"}]
+    first, second = (client.chat.completions.create(model=served.gateway.model_name,
+                                                     messages=messages, max_tokens=2,
+                                                     temperature=0) for _ in range(2))
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens >= 64
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
