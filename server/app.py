@@ -119,6 +119,9 @@ def native_kernels(engine: Any) -> dict[str, str]:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    refresh = getattr(gw.llm, "refresh_stats", None)  # a remote engine's (Ray Serve)
+    if refresh is not None:
+        await refresh()  # poll every engine replica's stats now
     return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
 
 

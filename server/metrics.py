@@ -4,7 +4,7 @@ Request histograms, token counters and ``request_success`` are observed when a r
 (by the HTTP and WebSocket endpoints and the batch worker), labelled by priority class
 (``priority="interactive"`` / ``"background"``); the engine's gauges and speculation counters
 are read from ``AsyncLLM.stats()`` at scrape time by a custom collector (zeros while the model
-loads).
+loads): on Ray Serve, one series per engine replica (label ``replica``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,37 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075
 StatsSource = Callable[[], dict[str, Any] | None]
 
 
+GAUGES = {  # name: (help, key of AsyncLLM.stats())
+    "num_requests_running": ("Requests in the running batch.", "num_running"),
+    "num_requests_waiting": ("Requests waiting to be scheduled.", "num_waiting"),
+    "kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0-1).", "kv_usage"),
+    "spec_decode_suffix_tenants": ("Tenants whose earlier answers the suffix proposer keeps.",
+                                   "suffix_tenants"),
+    "spec_decode_suffix_cached_tokens": ("Tokens of earlier answers in the suffix proposer's "
+                                         "tries.", "suffix_cached_tokens"),
+}
+COUNTERS = {
+    "num_preemptions": ("Preemptions (recompute) so far.", "num_preemptions"),
+    "spec_decode_num_drafts": ("Verification steps that carried drafts.", "spec_num_steps"),
+    "spec_decode_num_draft_tokens": ("Draft tokens proposed.", "spec_num_drafted"),
+    "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", "spec_num_accepted"),
+    "spec_decode_proposer_seconds": ("Seconds spent choosing drafts.", "spec_proposer_seconds"),
+    "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                             "prefix_cache_queries"),
+    "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+}
+REPLICA_UP_HELP = (
+    "1 if the engine replica answered this scrape's stats poll in time, else 0 (its engine "
+    "series are then left out). Ray Serve's own per-replica metrics (ray_serve_*, the same "
+    "replica label) are in Ray's metrics export on each node: see docs/scale-out.md.")
+
+
 class _EngineCollector(Collector):
-    """Gauges and counters the engine keeps itself, read at scrape time."""
+    """Gauges and counters the engine keeps itself, read at scrape time.
+
+    Stats of several engine replicas (Ray Serve: ``{"replicas": {id: stats}, "replicas_up":
+    {id: 0|1}}``) give one series per replica, labelled ``replica`` as vLLM labels ``engine``
+    (sum them in PromQL), and ``quickdraft:replica_up``; a local engine's give one series."""
 
     def __init__(self, model_name: str, stats: StatsSource) -> None:
         self._model = model_name
@@ -40,49 +69,36 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats() or {}
-        yield self._gauge("num_requests_running", "Requests in the running batch.",
-                          stats.get("num_running", 0))
-        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
-                          stats.get("num_waiting", 0))
-        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
-                          stats.get("kv_usage", 0.0))
-        yield self._gauge("spec_decode_suffix_tenants",
-                          "Tenants whose earlier answers the suffix proposer keeps.",
-                          stats.get("suffix_tenants", 0))
-        yield self._gauge("spec_decode_suffix_cached_tokens",
-                          "Tokens of earlier answers in the suffix proposer's tries.",
-                          stats.get("suffix_cached_tokens", 0))
-        counters = {
-            "num_preemptions": ("Preemptions (recompute) so far.", "num_preemptions"),
-            "spec_decode_num_drafts": ("Verification steps that carried drafts.",
-                                       "spec_num_steps"),
-            "spec_decode_num_draft_tokens": ("Draft tokens proposed.", "spec_num_drafted"),
-            "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", "spec_num_accepted"),
-            "spec_decode_proposer_seconds": ("Seconds spent choosing drafts.",
-                                             "spec_proposer_seconds"),
-            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
-                                     "prefix_cache_queries"),
-            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.",
-                                  "prefix_cache_hits"),
-        }
-        for name, (doc, key) in counters.items():
-            yield self._counter(name, doc, stats.get(key, 0))
+        replicas = stats.get("replicas")
+        labels = ["model_name"]
+        sources: list[tuple[list[str], dict[str, Any]]] = [([self._model], stats)]
+        if isinstance(replicas, dict):
+            labels = ["model_name", "replica"]
+            sources = [([self._model, str(r)], s) for r, s in replicas.items()]
+        for name, (doc, key) in GAUGES.items():
+            gauge = GaugeMetricFamily(f"quickdraft:{name}", doc, labels=labels)
+            for values, source in sources:
+                gauge.add_metric(values, source.get(key, 0))
+            yield gauge
+        for name, (doc, key) in COUNTERS.items():
+            counter = CounterMetricFamily(f"quickdraft:{name}", doc, labels=labels)
+            for values, source in sources:
+                counter.add_metric(values, source.get(key, 0))
+            yield counter
         per_pos = CounterMetricFamily(
             "quickdraft:spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by position in the draft.", labels=["model_name", "position"])
-        for pos, n in enumerate(stats.get("spec_accepted_per_position", [])):
-            per_pos.add_metric([self._model, str(pos)], n)
+            "Draft tokens accepted, by position in the draft.", labels=[*labels, "position"])
+        for values, source in sources:
+            for pos, n in enumerate(source.get("spec_accepted_per_position", [])):
+                per_pos.add_metric([*values, str(pos)], n)
         yield per_pos
-
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(f"quickdraft:{name}", doc, labels=["model_name"])
-        g.add_metric([self._model], value)
-        return g
-
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        c = CounterMetricFamily(f"quickdraft:{name}", doc, labels=["model_name"])
-        c.add_metric([self._model], value)
-        return c
+        up = stats.get("replicas_up")
+        if isinstance(up, dict):
+            gauge = GaugeMetricFamily("quickdraft:replica_up", REPLICA_UP_HELP,
+                                      labels=["model_name", "replica"])
+            for replica, value in up.items():
+                gauge.add_metric([self._model, str(replica)], value)
+            yield gauge
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,7 @@ class RayOptions:
     gateway_replicas: int = 1
     stream_interval: float = STREAM_INTERVAL
     key_blocks: int = DEFAULT_KEY_BLOCKS
+    affinity: bool = True  # False: the router ignores affinity keys (least-loaded only)
 
 
 def engine_limits(config: EngineConfig) -> tuple[int, int]:
@@ -190,6 +191,15 @@ def autoscaling(config: EngineConfig, min_replicas: int, max_replicas: int) -> d
     """Serve's autoscaling_config: scale out when replicas average 3/4 of a full batch."""
     return {"min_replicas": min_replicas, "max_replicas": max_replicas,
             "target_ongoing_requests": max(1, math.ceil(0.75 * config.max_num_seqs))}
+
+
+def drain_options(drain_timeout: float) -> dict[str, Any]:
+    """Serve's graceful shutdown for ``--drain-timeout``: a replica that stops (scale-down,
+    redeploy, ``serve.delete``) takes no new requests and lets those in flight finish for up
+    to ``drain_timeout`` seconds before Serve kills it, checking every tenth of that (0.1 to
+    1 s: an idle replica stops within one check)."""
+    return {"graceful_shutdown_timeout_s": drain_timeout,
+            "graceful_shutdown_wait_loop_s": min(1.0, max(0.1, drain_timeout / 10))}
 
 
 def serve_logging(level: str) -> dict[str, Any]:
@@ -208,16 +218,18 @@ def build_app(settings: ServerSettings, opts: RayOptions = RayOptions()) -> Any:
     if opts.min_replicas is not None and opts.max_replicas is not None:
         scale = {"autoscaling_config": autoscaling(cfg, opts.min_replicas, opts.max_replicas)}
     router: dict[str, Any] = {"request_router_class": ROUTER_PATH,
-                              "request_router_kwargs": {"soft_limit": soft}}
+                              "request_router_kwargs": {"soft_limit": soft,
+                                                        "affinity": opts.affinity}}
+    drain = drain_options(settings.drain_timeout)
     engine = serve.deployment(
         name=ENGINE_DEPLOYMENT, **scale, max_ongoing_requests=hard, health_check_period_s=10,
         ray_actor_options={"num_cpus": opts.engine_cpus, "num_gpus": opts.engine_gpus},
-        request_router_config=RequestRouterConfig(**router), logging_config=logs,
+        request_router_config=RequestRouterConfig(**router), logging_config=logs, **drain,
     )(EngineReplica).bind(cfg, opts.stream_interval)
     gateway = serve.deployment(
         name=GATEWAY_DEPLOYMENT, num_replicas=opts.gateway_replicas,
         max_ongoing_requests=settings.max_connections + settings.max_inflight_requests,
-        ray_actor_options={"num_cpus": opts.gateway_cpus}, logging_config=logs,
+        ray_actor_options={"num_cpus": opts.gateway_cpus}, logging_config=logs, **drain,
     )(GatewayIngress)
     return gateway.bind(settings, engine, opts.key_blocks)
 
@@ -295,5 +307,5 @@ def urls(settings: ServerSettings) -> str:
     return (f"quickdraft: serving {settings.model_name} on Ray Serve at http://{base}\n"
             f"  WebSocket        ws://{base}/v1/ws  (?session=ID or x-session-id: sticky)\n"
             f"  OpenAI base URL  http://{base}/v1\n"
-            f"  health, metrics  http://{base}/health, /metrics\n"
+            f"  health, metrics  http://{base}/health, /metrics (engine series per replica)\n"
             f"  replicas         response header {REPLICA_HEADER}, response.done replica")

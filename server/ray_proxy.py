@@ -1,7 +1,9 @@
 """The gateway's engine on Ray Serve: :class:`RemoteLLM` offers exactly the parts of
 :class:`AsyncLLM` that the gateway calls (``generate``, ``abort``, ``stats``, ``is_running``,
 ``shutdown``, and ``engine.tokenizer`` / ``engine.apply_chat_template`` /
-``engine.max_model_len``), over a handle of the engine deployment (server/ray_engine.py).
+``engine.max_model_len``), over a handle of the engine deployment (server/ray_engine.py), plus
+``refresh_stats``, which the gateway's /metrics awaits before it renders: its ``stats`` are
+each engine replica's own (server/ray_stats.py).
 
 Prompts are tokenized in the gateway with the model's own tokenizer (:class:`LocalFrontend`),
 so no round trip precedes a request. Each request carries an affinity key for the router
@@ -29,11 +31,11 @@ from quickdraft.engine.outputs import RequestOutput
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.server.affinity import DEFAULT_KEY_BLOCKS, prefix_key
 from quickdraft.server.ray_engine import DeltaBatch, EngineRequest
+from quickdraft.server.ray_stats import SCRAPE_TIMEOUT, ReplicaStatsPoller
 from quickdraft.spec.params import SpeculationParams
 
 log = logging.getLogger(__name__)
-STATS_MAX_AGE = 1.0  # seconds: an older stats snapshot is refreshed when next asked for
-CONTROL_TIMEOUT = 10.0  # seconds an abort or a stats poll may take
+CONTROL_TIMEOUT = 10.0  # seconds an abort may take
 
 
 @dataclass
@@ -70,7 +72,7 @@ class RemoteLLM:
 
     def __init__(self, handle: Any, frontend: LocalFrontend, *, block_size: int,
                  loop: asyncio.AbstractEventLoop, key_blocks: int = DEFAULT_KEY_BLOCKS,
-                 stats_max_age: float = STATS_MAX_AGE) -> None:
+                 scrape_timeout: float = SCRAPE_TIMEOUT) -> None:
         self.engine = frontend
         self._handle = handle
         self._stream = handle.options(stream=True)
@@ -81,11 +83,8 @@ class RemoteLLM:
         self._active: set[str] = set()  # ids of the requests streaming through here
         self._aborted: set[str] = set()  # active ids aborted (sent again once routed)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._stats: dict[str, Any] = {}
-        self._stats_max_age = stats_max_age
-        self._stats_time = -float("inf")  # loop time of the last refresh's start
+        self._stats = ReplicaStatsPoller(handle, timeout=scrape_timeout)
         self._running = True
-        loop.call_soon_threadsafe(self._refresh_stats)
 
     # ------------------------------------------------------------------ requests
 
@@ -174,24 +173,16 @@ class RemoteLLM:
     # ------------------------------------------------------------------ state
 
     def stats(self) -> dict[str, Any]:
-        """The engine replicas' stats added up (kv_usage: their mean), with each replica's
-        own under ``replicas``: the last snapshot, refreshed in the background when it is
-        older than ``stats_max_age`` (so a /metrics scrape sees the previous poll's numbers,
-        and an idle gateway polls nobody)."""
-        with contextlib.suppress(RuntimeError):  # the loop has closed
-            self._loop.call_soon_threadsafe(self._refresh_stats)
-        return self._stats
+        """Each engine replica's stats, as of the last :meth:`refresh_stats`:
+        ``{"replicas": {replica id: stats}, "replicas_up": {replica id: 1 or 0}}``."""
+        return self._stats.snapshot
 
-    def _refresh_stats(self) -> None:
-        now = self._loop.time()
-        if self._running and now - self._stats_time >= self._stats_max_age:
-            self._stats_time = now
-            self._spawn(self._poll_stats())
-
-    async def _poll_stats(self) -> None:
-        per_replica = await self._control("stats")
-        if per_replica:
-            self._stats = merge_stats(per_replica)
+    async def refresh_stats(self) -> None:
+        """Poll every engine replica's stats now (the gateway's /metrics, before it renders);
+        a replica that does not answer within ``scrape_timeout`` seconds is left out and
+        counts as down."""
+        if self._running:
+            await self._stats.refresh()
 
     async def _control(self, method: str, *args: Any) -> list[Any] | None:
         """``method(*args)`` on every engine replica: their results, or None (logged) if the
@@ -217,25 +208,10 @@ class RemoteLLM:
         """Stop polling; the engine replicas belong to Serve and keep running."""
         self._running = False
         with contextlib.suppress(RuntimeError):  # the loop has closed
-            self._loop.call_soon_threadsafe(lambda: [t.cancel() for t in list(self._tasks)])
+            self._loop.call_soon_threadsafe(self._cancel_tasks)
 
+    def _cancel_tasks(self) -> None:
+        self._stats.cancel()
+        for task in list(self._tasks):
+            task.cancel()
 
-def merge_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
-    """Counters and gauges summed over replicas (``kv_usage`` averaged, per-position lists
-    summed position by position); ``replicas`` maps each replica id to its own stats."""
-    merged: dict[str, Any] = {}
-    for stats in per_replica:
-        for name, value in stats.items():
-            if isinstance(value, bool) or name in ("replica", "actor"):
-                continue
-            if isinstance(value, int | float):
-                merged[name] = merged.get(name, 0) + value
-            elif isinstance(value, list):
-                total = merged.setdefault(name, [])
-                total.extend([0] * (len(value) - len(total)))
-                for i, v in enumerate(value):
-                    total[i] += v
-    if per_replica:
-        merged["kv_usage"] = merged.get("kv_usage", 0.0) / len(per_replica)
-    merged["replicas"] = {s.get("replica", str(i)): s for i, s in enumerate(per_replica)}
-    return merged

@@ -6,6 +6,11 @@ for ranks of candidate replicas and sends the request to the least-loaded replic
 rank that has room (fewer than ``max_ongoing_requests``). The ranking itself is in
 :mod:`quickdraft.server.affinity`; this module only adapts it to Serve's API
 (``RequestRouterConfig(request_router_class=...)``, alpha in Ray 2.60).
+
+Each router registers itself with :func:`quickdraft.server.ray_stats.register_router`, so the
+gateway's stats poll knows which replicas are live. Serve pickles this module *by value* into
+every process that routes (a copy of its globals, not the imported module's), so no state may
+live here: the registry is in ray_stats, which is pickled by reference.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from quickdraft.server.affinity import rank
+from quickdraft.server.ray_stats import register_router
 
 ROUTER_PATH = "quickdraft.server.ray_router.AffinityRouter"
 AFFINITY_KWARG = "affinity_key"  # the keyword argument of EngineReplica.generate it reads
@@ -26,11 +32,22 @@ class AffinityRouter(RequestRouter):
     the least-loaded replica. Requests without a key go to the least-loaded replica."""
 
     soft_limit: int = 32
+    affinity: bool = True
 
-    def initialize_state(self, soft_limit: int = 32, **kwargs: Any) -> None:
+    def initialize_state(self, soft_limit: int = 32, affinity: bool = True,
+                         **kwargs: Any) -> None:
         """``request_router_kwargs`` of the deployment: ``soft_limit`` is the requests in
-        flight beyond which a replica counts as saturated (the engine's ``max_num_seqs``)."""
+        flight beyond which a replica counts as saturated (the engine's ``max_num_seqs``);
+        ``affinity=False`` ignores affinity keys (least-loaded only: benchmarks' baseline)."""
         self.soft_limit = max(1, int(soft_limit))
+        self.affinity = bool(affinity)
+        register_router(self)
+
+    @property
+    def deployment(self) -> tuple[str, str]:
+        """(app, deployment) of the replicas this router routes to."""
+        deployment_id = getattr(self, "_deployment_id", None)  # RequestRouter's own
+        return self.app_name, getattr(deployment_id, "name", "")
 
     def _load(self, replica: RunningReplica) -> int | None:
         """Requests in flight on ``replica`` as last probed or counted (None: unknown)."""
@@ -41,7 +58,7 @@ class AffinityRouter(RequestRouter):
                               ) -> list[list[RunningReplica]]:
         key = None
         if pending_request is not None:
-            key = pending_request.kwargs.get(AFFINITY_KWARG)
+            key = pending_request.kwargs.get(AFFINITY_KWARG) if self.affinity else None
             # Every rank has been offered: back off before the next round (else Serve retries
             # at once, in a busy loop, while all replicas are full).
             pending_request.routing_context.should_backoff = True

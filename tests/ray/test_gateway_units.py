@@ -1,5 +1,6 @@
 """The gateway side of scale-out without a cluster: affinity keys of HTTP requests and
-WebSocket connections, replica tags on what goes back, stats merged over replicas."""
+WebSocket connections, replica tags on what goes back, replica resources, the documented
+config."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from quickdraft.server.ray_app import (
     tag_done,
     tag_headers,
 )
-from quickdraft.server.ray_proxy import CallScope, merge_stats
+from quickdraft.server.ray_proxy import CallScope
 
 
 def scope(kind: str, headers: dict[str, str] | None = None, query: str = "") -> dict:
@@ -48,16 +49,6 @@ def test_tags_name_the_replica():
     assert "resp_1" not in call.replicas  # forgotten once reported
     delta = '{"type": "response.output_text.delta", "delta": "response.done"}'
     assert tag_done(delta, call) == delta
-
-
-def test_stats_add_up_over_replicas():
-    merged = merge_stats([
-        {"replica": "a", "num_running": 2, "kv_usage": 0.5, "spec_accepted_per_position": [1, 2]},
-        {"replica": "b", "num_running": 1, "kv_usage": 0.1, "spec_accepted_per_position": [3]},
-    ])
-    assert merged["num_running"] == 3 and merged["kv_usage"] == pytest.approx(0.3)
-    assert merged["spec_accepted_per_position"] == [4, 2]
-    assert set(merged["replicas"]) == {"a", "b"}
 
 
 def test_replica_resources():

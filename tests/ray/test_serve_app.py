@@ -28,6 +28,7 @@ from quickdraft.server.ray_app import (  # noqa: E402
     RayOptions,
     build_app,
 )
+from quickdraft.server.ray_stats import SCRAPE_TIMEOUT  # noqa: E402
 from quickdraft.server.settings import ServerSettings  # noqa: E402
 from tests.server.conftest import (  # noqa: E402
     ENGINE_KW,
@@ -169,18 +170,55 @@ def test_a_shared_prefix_meets_one_prefix_cache(cluster):
     assert all(n >= 64 for n in cached[1:]), cached  # the system prompt's blocks
 
 
-def test_engine_errors_and_metrics_come_back_as_from_one_engine(cluster):
+def test_engine_errors_come_back_as_from_one_engine(cluster):
     r = httpx.post(f"{cluster.base}/v1/completions", timeout=60,
                    json={"prompt": [10**9], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-    per_replica = [s["prefix_cache_queries"] for s in cluster.stats().values()]
-    httpx.get(f"{cluster.base}/metrics")  # the first scrape starts a poll of every replica
-    time.sleep(1.5)
-    text = httpx.get(f"{cluster.base}/metrics").text
-    (queries,) = [float(line.split()[-1]) for line in text.splitlines()
-                  if line.startswith("quickdraft:prefix_cache_queries_total{")]
-    assert len(per_replica) == 2 and min(per_replica) > 0  # earlier tests used both
-    assert queries == sum(per_replica)  # the gateway's engine metrics add the replicas up
+
+
+def scrape(base: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The gateway's /metrics: sample name -> {sorted labels (no model_name): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{base}/metrics", timeout=30)
+    assert r.status_code == 200
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            samples.setdefault(s.name, {})[labels] = s.value
+    return samples
+
+
+def per_replica(samples: dict[tuple[tuple[str, str], ...], float]) -> dict[str, float]:
+    return {dict(labels)["replica"]: value for labels, value in samples.items()}
+
+
+def test_metrics_have_a_series_per_replica_that_add_up(cluster):
+    replicas = set(cluster.stats())
+    before = scrape(cluster.base)
+    seen = set()
+    for i in range(12):  # different first tokens: different prefix keys, both replicas
+        r = httpx.post(f"{cluster.base}/v1/completions", timeout=60,
+                       json={"prompt": f"{i * 104729} pears", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        seen.add(r.headers[REPLICA_HEADER])
+    after = scrape(cluster.base)
+    assert seen == replicas and len(replicas) == 2
+    assert per_replica(after["quickdraft:replica_up"]) == {r: 1.0 for r in replicas}
+    for name in ("quickdraft:num_requests_running", "quickdraft:kv_cache_usage_perc",
+                 "quickdraft:num_preemptions_total", "quickdraft:prefix_cache_hits_total"):
+        assert set(per_replica(after[name])) == replicas, name  # one series each, no sum
+    # Each replica's prompt tokens (looked up in its prefix cache on admission) add up to the
+    # prompt tokens the gateway counted for the same requests.
+    queries = per_replica(after["quickdraft:prefix_cache_queries_total"])
+    earlier = per_replica(before["quickdraft:prefix_cache_queries_total"])
+    grown = {r: queries[r] - earlier.get(r, 0.0) for r in replicas}
+    prompt = [sum(snap["quickdraft:prompt_tokens_total"].values()) for snap in (before, after)]
+    assert all(n > 0 for n in grown.values()), grown
+    assert sum(grown.values()) == prompt[1] - prompt[0] > 0
+    stats = cluster.stats()
+    assert queries == {r: float(s["prefix_cache_queries"]) for r, s in stats.items()}
 
 
 # ---------------------------------------------------------------------- streaming
@@ -236,6 +274,43 @@ def test_a_dropped_client_frees_the_remote_blocks(cluster, how):
         after = sum(s["prefix_cache_queries"] for s in cluster.stats().values())
         assert after > queries  # an engine replica had started it
     cluster.wait_idle(baseline, ABORT_WAIT)  # long before the answer could have finished
+
+
+def engine_processes() -> list[Any]:
+    """The engine replicas' worker processes of the Ray this test process started (its
+    descendants; Ray titles a worker by its actor class)."""
+    psutil = pytest.importorskip("psutil")
+    title = f"ray::ServeReplica:{APP_NAME}:{ENGINE_DEPLOYMENT}"
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.cmdline()[:1] and proc.cmdline()[0].startswith(title):
+                found.append(proc)
+        except psutil.Error:  # gone meanwhile
+            continue
+    return found
+
+
+def test_a_replica_that_does_not_answer_is_left_out_and_reported_down(cluster):
+    import signal
+
+    replicas = set(cluster.stats())
+    procs = engine_processes()
+    assert len(procs) == 2, [p.cmdline()[0] for p in procs]
+    procs[0].send_signal(signal.SIGSTOP)  # frozen: alive to Serve, silent to the poll
+    try:
+        start = time.monotonic()
+        frozen = scrape(cluster.base)
+        took = time.monotonic() - start
+    finally:
+        procs[0].send_signal(signal.SIGCONT)
+    assert took < SCRAPE_TIMEOUT + 3.0  # the frozen replica did not hold the scrape
+    up = per_replica(frozen["quickdraft:replica_up"])
+    assert set(up) == replicas and sorted(up.values()) == [0.0, 1.0]
+    (silent,) = [r for r, v in up.items() if v == 0]
+    assert set(per_replica(frozen["quickdraft:num_requests_running"])) == replicas - {silent}
+    thawed = scrape(cluster.base)
+    assert per_replica(thawed["quickdraft:replica_up"]) == {r: 1.0 for r in replicas}
 
 
 # ---------------------------------------------------------------------- failure (last: it
