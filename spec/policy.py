@@ -23,6 +23,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
+def expected_accepted(alpha: float, num_drafts: int) -> float:
+    """Expected accepted drafts of a chain of ``num_drafts``, each accepted with probability
+    ``alpha`` once the ones before it were: ``alpha + alpha^2 + ... + alpha^n``."""
+    if num_drafts <= 0 or alpha <= 0.0:
+        return 0.0
+    if alpha >= 1.0:
+        return float(num_drafts)
+    return alpha * (1.0 - alpha ** num_drafts) / (1.0 - alpha)
+
+
 @dataclass(frozen=True)
 class StepCost:
     """Relative cost of a forward pass with ``n`` query tokens (piecewise linear)."""

@@ -21,7 +21,7 @@ from quickdraft.engine.step_plan import StepPlan
 from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
 from quickdraft.spec.ngram import NgramProposer
 from quickdraft.spec.params import SpeculationParams
-from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy
+from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy, expected_accepted
 from quickdraft.spec.recycling import RecyclingProposer
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_tree import available as suffix_tree_available
@@ -110,27 +110,56 @@ class Speculator:
 
     def _candidate(self, request: Request, k: int) -> _Candidate | None:
         method = self.method_of(request)
+        if method == "combined":
+            return self._best_candidate(request, k)
         drafts: list[int] = []
         source = ""
         if method == "suffix" and self.suffix is not None:
             drafts, source = self.suffix.propose(request, k).tokens, "suffix"
-        elif method in ("ngram", "combined", "suffix"):
+        elif method in ("ngram", "suffix"):
             drafts = self.proposer.propose(_context(request, self.proposer.max_context))[:k]
             source = "ngram"
         if not drafts and method in ("suffix", "recycling") and self.recycling is not None:
             # nothing to copy (a chat prompt): follow the target's own recent predictions
             drafts, source = self.recycling.propose(request, k), "recycling"
         if drafts:
-            key = (request.request_id, source)
-            if key not in self._trackers:  # recycling starts at its measured mean, not 0.6
-                prior = RECYCLING_PRIOR if source == "recycling" else AcceptanceTracker.alpha
-                self._trackers[key] = AcceptanceTracker(alpha=prior)
-            return _Candidate(request, drafts, len(drafts), self._trackers[key])
-        if method in ("draft", "combined") and self.draft is not None:
-            tracker = self._trackers.setdefault((request.request_id, "draft"),
-                                                AcceptanceTracker())
-            return _Candidate(request, None, k, tracker)
+            return _Candidate(request, drafts, len(drafts), self._tracker(request, source))
+        if method == "draft" and self.draft is not None:
+            return _Candidate(request, None, k, self._tracker(request, "draft"))
         return None
+
+    def _best_candidate(self, request: Request, k: int) -> _Candidate | None:
+        """``combined``: every model-free proposer drafts, and the chain with the largest
+        expected accepted length under this request's acceptance of that source wins; the
+        draft model (a forward pass per draft) only when none of them has anything."""
+        best: _Candidate | None = None
+        best_gain = 0.0
+        for source, drafts in self._model_free_drafts(request, k):
+            tracker = self._tracker(request, source)
+            gain = expected_accepted(tracker.alpha, len(drafts))
+            if best is None or gain > best_gain:
+                best, best_gain = _Candidate(request, drafts, len(drafts), tracker), gain
+        if best is None and self.draft is not None:
+            best = _Candidate(request, None, k, self._tracker(request, "draft"))
+        return best
+
+    def _model_free_drafts(self, request: Request, k: int) -> list[tuple[str, list[int]]]:
+        """(source, drafts) of each model-free proposer that found something."""
+        found = [("ngram",
+                  self.proposer.propose(_context(request, self.proposer.max_context))[:k])]
+        if self.suffix is not None:
+            found.append(("suffix", self.suffix.propose(request, k).tokens))
+        if self.recycling is not None:
+            found.append(("recycling", self.recycling.propose(request, k)))
+        return [(source, drafts) for source, drafts in found if drafts]
+
+    def _tracker(self, request: Request, source: str) -> AcceptanceTracker:
+        """This request's acceptance estimate for drafts from ``source``."""
+        key = (request.request_id, source)
+        if key not in self._trackers:  # recycling starts at its measured mean, not 0.6
+            prior = RECYCLING_PRIOR if source == "recycling" else AcceptanceTracker.alpha
+            self._trackers[key] = AcceptanceTracker(alpha=prior)
+        return self._trackers[key]
 
     def recycler(self, requests: list[Request]
                  ) -> Callable[[torch.Tensor, StepPlan], None] | None:
@@ -139,7 +168,7 @@ class Speculator:
         order); None (no top-k computed) when none of them drafts with recycling."""
         if self.recycling is None:
             return None
-        wanted = [self.method_of(r) in ("suffix", "recycling")
+        wanted = [self.method_of(r) in ("suffix", "recycling", "combined")
                   and supports_speculation(r.sampling_params) for r in requests]
         if not any(wanted):
             return None

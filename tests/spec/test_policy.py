@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy, StepCost, measure_step_cost
+from quickdraft.spec.policy import (
+    AcceptanceTracker,
+    SpeculationPolicy,
+    StepCost,
+    expected_accepted,
+    measure_step_cost,
+)
 
 
 def test_step_cost_interpolates_and_extrapolates():
@@ -68,3 +74,11 @@ def test_background_requests_lose_drafts_first_when_the_batch_is_saturated():
                          weights=[1.0, 0.25, 0.25])
     assert ks[0] == 4 and sum(ks) == 5  # the interactive request first, then the best rest
     assert policy.allocate([0.9] * 3, [4] * 3, 3, weights=[1.0] * 3) != ks
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.95, 1.0])
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 16])
+def test_expected_accepted_is_the_chain_sum(alpha, n):
+    """``combined`` ranks drafts by this: the expected accepted drafts of an n-chain."""
+    reference = sum(alpha ** i for i in range(1, n + 1))
+    assert expected_accepted(alpha, n) == pytest.approx(reference, abs=1e-12)
