@@ -29,6 +29,10 @@ markdown tables. Full run on the default model (tens of minutes on a 2-core CPU)
 
     python benchmarks/serve_bench.py --rates 0.5,1,2,4 --num-requests 64 \
         --idle-sockets 256 --idle-streaming 32
+
+``--ray`` runs the scale-out benchmark instead (benchmarks/serve_bench_ray.py: plain
+``quickdraft serve`` against Ray Serve with one and two engine replicas, affinity on and off;
+the other flags are that script's, see ``--ray --help``).
 """
 
 from __future__ import annotations
@@ -479,6 +483,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(p)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--ray", action="store_true", help="run the Ray Serve scale-out benchmark "
+                   "(benchmarks/serve_bench_ray.py) instead; --ray --help for its flags")
     p.add_argument("--url", default=None, help="a running server (http://HOST:PORT); "
                    "default: start one (in-process baseline needs the local model)")
     p.add_argument("--api-key", default=None)
@@ -547,6 +553,12 @@ async def run_all(args: argparse.Namespace, reqs: list[Request]) -> JSONDict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--ray" in argv:  # the scale-out benchmark: its own flags
+        import serve_bench_ray
+
+        serve_bench_ray.main([a for a in argv if a != "--ray"])
+        return
     args = parse_args(argv)
     info = machine_info()
     print(f"machine: {machine_summary(info)}", file=sys.stderr)
