@@ -14,6 +14,18 @@ costs one host-to-device copy, the device tensors being views into it:
 * ``seq_lens [num_seqs]``: context length including the new tokens;
 * ``block_tables [num_seqs, max_blocks]``: padded with 0.
 
+Tree verification adds one optional array, outside the packed buffer (eager steps only; a
+CUDA graph never replays a tree step):
+
+* ``tree_mask [num_tokens]`` int64, or None (every row causal). Row ``t`` of sequence ``s``
+  (``i = t - query_start_loc[s]``, ``q_len`` rows, ``base = seq_len - q_len``): ``0`` means
+  causal (positions ``[0, base + i]``); otherwise bit ``j`` set means the row also sees query
+  row ``j`` of its sequence (cache position ``base + j``) besides the context ``[0, base)``.
+  A nonzero mask has bit ``i`` set and no bit above ``i`` (a node sees itself and its
+  ancestors, which come before it), so only sequences with ``q_len <= 64`` carry one. The
+  slot of row ``i`` stays ``base + i`` (flat order); its RoPE position (the model's input,
+  not the metadata) is ``base`` + the row's depth in its tree.
+
 Cache layout (one tensor per layer): ``kv_cache[2, num_blocks, block_size, num_kv_heads,
 head_dim]``, 0 = K, 1 = V.
 
@@ -36,6 +48,7 @@ No triton import here: the engine builds metadata whether or not the kernels are
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,6 +94,9 @@ class AttentionMetadata:
     max_query_len: int  # an upper bound of the longest real query (picks the Triton tile)
     max_seq_len: int  # an upper bound of the longest context (picks split-KV)
     num_splits: int | None = None  # Triton split-KV; None: chosen per call from the shapes
+    # [num_tokens] int64 ancestor bitmasks of tree-verification rows (module docstring), on
+    # the device; None: every row attends causally
+    tree_mask: torch.Tensor | None = None
     # A backend's own per-step plan, made on first use by that backend alone (the torch
     # path's SDPA groups): keyed by the backend's name.
     plans: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -130,6 +146,21 @@ class AttentionMetadata:
                 assert slots[row] in (slot, -1), (row, slots[row], slot)
         assert self.max_query_len >= max(real_q_lens)
         assert self.max_seq_len >= max(lens, default=0)
+        if self.tree_mask is not None:
+            check_tree_mask(self.tree_mask.cpu().tolist(), qsl)
+
+
+def check_tree_mask(masks: Sequence[int], query_start_loc: Sequence[int]) -> None:
+    """Assert that ``masks`` (one per row) are causal (0) or ancestor sets as the module
+    docstring says: bit ``i`` set for row ``i``, no higher bit, ``q_len <= 64``."""
+    assert len(masks) == query_start_loc[-1], (len(masks), query_start_loc[-1])
+    for s, (start, end) in enumerate(itertools.pairwise(query_start_loc)):
+        for i, mask in enumerate(masks[start:end]):
+            if mask == 0:
+                continue
+            bits = mask & ((1 << 64) - 1)  # int64 -> the unsigned 64-bit pattern
+            assert end - start <= 64, (s, end - start)
+            assert bits >> i == 1 and bits & (1 << i), (s, i, hex(bits))
 
 
 def slots_of(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -199,9 +230,11 @@ def unpack(buf: torch.Tensor, host: np.ndarray, layout: MetadataLayout, block_si
 
 def build_metadata(query_start_loc: Sequence[int], seq_lens: Sequence[int],
                    block_tables: Sequence[Sequence[int]], block_size: int,
-                   device: torch.device | str | None = None) -> AttentionMetadata:
-    """An eager step's metadata, on ``device`` (default cpu), in one copy. Block tables are
-    read, never edited."""
+                   device: torch.device | str | None = None,
+                   tree_mask: Sequence[int] | None = None) -> AttentionMetadata:
+    """An eager step's metadata, on ``device`` (default cpu), in one copy (two with a
+    ``tree_mask``, one int per row: see the module docstring). Block tables are read, never
+    edited."""
     layout = MetadataLayout(query_start_loc[-1], len(seq_lens),
                             max((len(t) for t in block_tables), default=0) or 1)
     packed = np.empty(layout.size, dtype=np.int32)
@@ -210,4 +243,12 @@ def build_metadata(query_start_loc: Sequence[int], seq_lens: Sequence[int],
     if device is not None and torch.device(device).type != "cpu":
         buf = buf.to(device, non_blocking=True)
     max_query = max((b - a for a, b in itertools.pairwise(query_start_loc)), default=0)
-    return unpack(buf, packed, layout, block_size, max_query, max(seq_lens, default=0))
+    meta = unpack(buf, packed, layout, block_size, max_query, max(seq_lens, default=0))
+    if tree_mask is None or not any(tree_mask):
+        return meta
+    # signed int64: a row at index 63 has its top bit set
+    signed = [m - (1 << 64) if m >= 1 << 63 else m for m in tree_mask]
+    mask = torch.tensor(signed, dtype=torch.int64)
+    if device is not None and torch.device(device).type != "cpu":
+        mask = mask.to(device, non_blocking=True)
+    return dataclasses.replace(meta, tree_mask=mask)
