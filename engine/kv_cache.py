@@ -123,6 +123,14 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self._ref_cnt[block]
 
+    def check_invariants(self, references: Sequence[int]) -> None:
+        """``references[b]``: how many block tables hold block ``b``."""
+        for b in range(self.num_blocks):
+            assert self._ref_cnt[b] == references[b], (b, self._ref_cnt[b], references[b])
+            assert (b in self._free) == (self._ref_cnt[b] == 0), b
+        for h, b in self._cached.items():
+            assert self._hash_of[b] == h, b
+
 
 @dataclass(frozen=True)
 class KVCacheStats:
@@ -249,6 +257,22 @@ class KVCacheManager:
             state = self._hashes.get(request_id)
             if state is not None:  # (only full verified blocks were hashed: none of these)
                 del state.hashes[keep:]
+
+    def num_hashed_tokens(self, request_id: str) -> int:
+        """Tokens of the request registered in the prefix cache (whole blocks)."""
+        state = self._hashes.get(request_id)
+        return len(state.hashes) * self.block_size if state is not None else 0
+
+    def check_invariants(self) -> None:
+        """Reference counts equal the tables' references; a table's hashes name a prefix of
+        its blocks (tests run it after every step, with the scheduler's)."""
+        references = [0] * self.pool.num_blocks
+        for rid, table in self._tables.items():
+            for b in table:
+                references[b] += 1
+            state = self._hashes.get(rid)
+            assert state is None or len(state.hashes) <= len(table), rid
+        self.pool.check_invariants(references)
 
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks, last block first; cached ones stay cached."""

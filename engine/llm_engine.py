@@ -23,7 +23,8 @@ from quickdraft.engine.model_runner import ModelRunner
 from quickdraft.engine.outputs import RequestOutput, Usage
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
-from quickdraft.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from quickdraft.engine.scheduler import RequestUpdate, Scheduler
+from quickdraft.engine.step_plan import CHECK_INVARIANTS
 from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import SpeculationPolicy, StepCost, measure_step_cost
@@ -71,10 +72,6 @@ class LLMEngine:
             self.draft.allocate(self.runner.num_blocks)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.priority_aging_s,
-                                   config.max_background_tokens_with_interactive,
-                                   config.max_background_tokens_per_step)
         architecture = (hf_config.architectures or [hf_config.model_type])[0]
         self.info = ModelInfo(str(model_dir), architecture, self.max_model_len,
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
@@ -85,6 +82,11 @@ class LLMEngine:
             config.speculation, config.num_speculative_tokens, config.ngram_min,
             config.ngram_max, policy, self.kv, self.draft, self.max_model_len,
             vocab_size=self.runner.vocab_size)
+        # the scheduler decides who runs with how many drafts; the speculator follows it
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.priority_aging_s,
+                                   config.max_background_tokens_with_interactive,
+                                   config.max_background_tokens_per_step, self.speculator)
 
     def _load_draft(self) -> DraftModelRunner | None:
         if self.config.draft_model is None:
@@ -215,32 +217,12 @@ class LLMEngine:
             failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             return [self._final_output(r, "", [], error=f"{type(exc).__name__}: {exc}")
                     for r in failed]
-        self._record_speculation(sched, result.sampled)
-        updates = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
+        updates = self.scheduler.update_from_output(sched, result.sampled, result.logprobs,
+                                                    result.num_accepted)
         outputs = [out for u in updates if (out := self._process(u)) is not None]
-        self._propose_drafts(sched)
+        if CHECK_INVARIANTS:
+            self.scheduler.check_invariants()
         return outputs
-
-    def _propose_drafts(self, sched: SchedulerOutput) -> None:
-        """Drafts for the next step, for the running requests this step scheduled (a request
-        the scheduler held back, e.g. background work paused behind interactive work, gets
-        none: its drafts would go stale unverified). The next step's tokens without drafts
-        are estimated from this one's: one per decoding request plus the prefill chunks."""
-        scheduled = {s.request_id for s in sched.requests}
-        running = []
-        for request in self.scheduler.running:
-            if request.request_id in scheduled:
-                running.append(request)
-            else:  # held back: no new drafts, and an earlier step's are dropped
-                request.spec_token_ids, request.spec_draft_probs = [], None
-        prefill = sum(s.num_tokens for s in sched.requests if not s.sample)
-        self.speculator.propose(running, num_plain_tokens=len(running) + prefill)
-
-    def _record_speculation(self, sched: SchedulerOutput, sampled: list[list[int]]) -> None:
-        for s, tokens in zip(sched.requests, sampled, strict=True):
-            if s.num_draft_tokens and tokens:
-                request = self.scheduler.requests[s.request_id]
-                self.speculator.record(request, s.num_draft_tokens, len(tokens) - 1)
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """Nothing could run although requests wait: the head request can never fit."""
@@ -272,7 +254,6 @@ class LLMEngine:
 
     def _final_output(self, request: Request, text: str, new_tokens: list[int],
                       error: str | None = None) -> RequestOutput:
-        self.speculator.finish(request, learn=error is None and request.error is None)
         detok = self._detokenizers.pop(request.request_id, None)
         if detok is not None and request.status != RequestStatus.FINISHED_STOPPED:
             text += detok.finish()

@@ -34,8 +34,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    sampled: list[list[int]]  # per scheduled request: accepted tokens (empty if none)
+    """What a step produced, per scheduled request (in the scheduler output's order)."""
+
+    sampled: list[list[int]]  # accepted drafts then one sampled token; empty: no sample
     logprobs: list[list[float]] | None
+    num_accepted: list[int]  # accepted drafts (0 without drafts or without a sample)
 
 
 def load_model(model_dir: Any, hf_config: Any, dtype: torch.dtype, max_model_len: int,
@@ -156,8 +159,9 @@ class ModelRunner:
         logits = self.forward_logits(plan)  # [num_sample_rows, vocab]
         if observe is not None and plan.sample_requests:
             observe(logits, plan)
+        num_accepted = [0] * len(sched.requests)
         if not plan.sample_requests:
-            return RunnerOutput(sampled, None)
+            return RunnerOutput(sampled, None, num_accepted)
         reqs = [sched.requests[i] for i in plan.sample_requests]
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
@@ -172,9 +176,10 @@ class ModelRunner:
             logprob_rows = [[] for _ in sched.requests]
         for row, i in enumerate(plan.sample_requests):
             sampled[i] = tokens[row]
+            num_accepted[i] = len(tokens[row]) - 1
             if logprob_rows is not None and logprobs is not None:
                 logprob_rows[i] = logprobs[row]
-        return RunnerOutput(sampled, logprob_rows)
+        return RunnerOutput(sampled, logprob_rows, num_accepted)
 
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest], batch: SamplingBatch,
                 ) -> tuple[list[list[int]], list[list[float]] | None]:

@@ -15,6 +15,7 @@ import torch
 
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec.params import SpeculationParams
+from quickdraft.spec.state import RequestSpecState
 
 
 class RequestStatus(enum.Enum):
@@ -42,10 +43,13 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Draft tokens proposed for this step; they are part of the scheduled input but not of
-    # `num_tokens` until verified.
+    # `num_tokens` until verified. A chain, or a tree in topological order when
+    # `spec_tree_parents` is set (parent index of each draft, -1 = the last verified token).
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_tree_parents: list[int] | None = None
     # Draft-model distributions of those drafts [num_drafts, vocab] (sampled requests only).
     spec_draft_probs: torch.Tensor | None = None
+    spec_state: RequestSpecState = field(default_factory=RequestSpecState)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: str | int | None = None
     error: str | None = None
@@ -79,6 +83,14 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Draft slots this step needs: the drafts, or those the draft model still owes."""
+        return len(self.spec_token_ids) + self.spec_state.model_k
+
+    def clear_drafts(self) -> None:
+        self.spec_token_ids, self.spec_tree_parents, self.spec_draft_probs = [], None, None
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Token ids ``[start, end)`` of prompt + output + drafts (no full-list copy)."""

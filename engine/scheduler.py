@@ -6,64 +6,34 @@ chunk, one decode token or k+1 verification tokens alike. Running requests go fi
 when the KV pool runs short the most recently admitted one is preempted (its blocks freed, its
 progress reset so it is recomputed later). Waiting requests join while budget, sequence slots and
 blocks last.
+
+Speculation is decided here (see :meth:`Scheduler.schedule`): the speculator is asked for
+drafts only for the requests this step runs that decode, knowing the real batch, and every
+draft's KV slot is reserved in the request's one allocation (``num_lookahead_tokens``).
+
+Invariants, asserted by :meth:`Scheduler.check_invariants` (tests run it after every step):
+each request is in exactly one queue with a matching status; a running request's block table
+covers its computed tokens; only verified tokens are computed or cached between steps (no
+drafts are left over); a prefix-cache hit leaves at least the last prompt token to compute;
+the KV pool's reference counts match the block tables.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-
-import torch
 
 from quickdraft.engine.kv_cache import KVCacheManager
 from quickdraft.engine.request import Request, RequestStatus
-from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.engine.scheduler_output import (
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+    Speculation,
+)
 
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step: the scheduler -> runner contract (read-only there)."""
-
-    request_id: str
-    token_ids: list[int]  # inputs: not-yet-computed tokens, then draft tokens
-    start_pos: int  # position of token_ids[0] (= num_computed_tokens)
-    block_table: tuple[int, ...]  # covers start_pos + len(token_ids) positions
-    num_draft_tokens: int  # drafts at the tail of token_ids, to verify this step
-    # [num_draft_tokens, vocab] draft-model distributions, or None (one-hot / greedy drafts)
-    draft_probs: torch.Tensor | None
-    sample: bool  # the step reaches the end of the request: sample 1 + num_draft_tokens rows
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    requests: list[ScheduledRequest]
-    preempted_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests)
-
-    @property
-    def empty(self) -> bool:
-        return not self.requests
-
-
-@dataclass(frozen=True)
-class RequestUpdate:
-    """What one step did to one request."""
-
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
+__all__ = ["INTERACTIVE", "RequestUpdate", "ScheduledRequest", "Scheduler", "SchedulerOutput",
+           "Speculation"]
 
 
 INTERACTIVE = 0  # priorities <= this are interactive; greater ones are background
@@ -76,8 +46,10 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, priority_aging_s: float | None = 30.0,
                  max_background_tokens_with_interactive: int = 0,
-                 max_background_tokens_per_step: int = 64) -> None:
+                 max_background_tokens_per_step: int = 64,
+                 speculation: Speculation | None = None) -> None:
         self.kv = kv
+        self.speculation = speculation  # None: drafts only as set by the caller (tests)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -119,6 +91,9 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = status
             self.kv.free(rid)
+            request.clear_drafts()
+            if self.speculation is not None:
+                self.speculation.on_finish(request, status)
             finished.append(request)
         return finished
 
@@ -130,37 +105,99 @@ class Scheduler:
         return priority, request.arrival_time
 
     def schedule(self) -> SchedulerOutput:
+        """This step's batch: who runs, with how many tokens and drafts, slots reserved.
+
+        1. choose the running requests that run and their plain tokens (prefill chunk or the
+           one pending token), under the token budget and the background share;
+        2. let speculation plan drafts for the chosen decoding requests against that real
+           batch (prefill chunks and waiting prompts included): model-free drafts now, the
+           draft model's count only;
+        3. allocate each chosen request's tokens plus its lookahead (draft) slots in one
+           call, preempting the least urgent when the pool runs short (drafts go first);
+        4. admit waiting requests with what is left;
+        5. the draft model drafts into the slots reserved for it.
+        """
         self._now = time.monotonic()
         self.waiting.sort(key=self._key)
         self.running.sort(key=self._key)
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        urgent = self._key(self.waiting[0])[0] if self.waiting else None
         interactive = any(r.priority <= INTERACTIVE for r in (*self.running, *self.waiting))
         self._background_budget = (self.max_background_tokens_with_interactive if interactive
                                    else self.max_background_tokens_per_step)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            i += 1
+        chosen, budget = self._choose_running(self.max_num_batched_tokens)
+        budget -= self._plan_drafts(chosen, budget)
+        steps: list[tuple[Request, int]] = []
+        for request, num_plain, _ in chosen:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted this step to make room for a more urgent one
+            if not self._allocate_or_preempt(request, num_plain, preempted):
+                break  # `request` itself was preempted; everything after it too
+            steps.append((request, num_plain + request.num_lookahead_tokens))
+        self._admit_waiting(budget, steps, preempted)
+        if self.speculation is not None:
+            owed = [r for r, _ in steps if r.spec_state.model_k]
+            if owed:
+                self.speculation.draft(owed)
+        return SchedulerOutput(
+            [self._schedule_one(r, min(n, r.num_tokens_with_spec - r.num_computed_tokens))
+             for r, n in steps], preempted)
+
+    def _choose_running(self, budget: int) -> tuple[list[tuple[Request, int, int]], int]:
+        """The running requests this step runs, in order, with their plain tokens and their
+        cap (tokens they may take in all); and the budget left. Allocates nothing."""
+        urgent = self._key(self.waiting[0])[0] if self.waiting else None
+        chosen: list[tuple[Request, int, int]] = []
+        for request in self.running:
+            if budget <= 0:
+                break
             if urgent is not None and self._key(request)[0] > urgent \
                     and request.num_tokens - request.num_computed_tokens > 1:
                 continue  # a less urgent prefill yields its budget to waiting work
             cap = self._cap(request, budget)
             if cap == 0:
                 continue  # background paused (keeps its blocks) while interactive work runs
-            self._trim_drafts(request, cap)
-            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, cap)
-            if not self._allocate_or_preempt(request, num_new, preempted):
-                break  # `request` itself was preempted; everything after it too
-            scheduled.append(self._schedule_one(request, num_new))
-            budget -= num_new
-            self._spend(request, num_new)
-        budget = self._admit_waiting(budget, scheduled, preempted)
-        return SchedulerOutput(scheduled, preempted)
+            num_plain = min(request.num_tokens - request.num_computed_tokens, cap)
+            chosen.append((request, num_plain, cap))
+            budget -= num_plain
+            self._spend(request, num_plain)
+        return chosen, budget
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest],
+    def _plan_drafts(self, chosen: list[tuple[Request, int, int]], budget: int) -> int:
+        """Drafts for the chosen requests that decode (one pending token); returns the
+        lookahead tokens they take from ``budget``. Without speculation, drafts set by the
+        caller (tests) are only trimmed to what fits."""
+        decoding: list[Request] = []
+        rooms: list[int] = []
+        for request, num_plain, cap in chosen:
+            room = self._draft_room(request, cap - num_plain)
+            if self.speculation is None:
+                del request.spec_token_ids[room:]
+                if request.spec_tree_parents is not None:
+                    del request.spec_tree_parents[room:]
+            elif num_plain == 1 and request.num_computed_tokens == request.num_tokens - 1:
+                decoding.append(request)
+                rooms.append(room)
+        if decoding and self.speculation is not None:
+            free_seqs = max(self.max_num_seqs - len(self.running), 0)
+            prefill = sum(n for _, n, _ in chosen if n > 1) + min(
+                budget, sum(r.num_tokens for r in self.waiting[:free_seqs]))
+            self.speculation.plan(decoding, rooms, len(decoding) + prefill, budget)
+        used = 0
+        for request, _, _ in chosen:
+            used += request.num_lookahead_tokens
+            if self._key(request)[0] > INTERACTIVE:
+                self._background_budget -= request.num_lookahead_tokens
+        assert used <= max(budget, 0), (used, budget)
+        return used
+
+    def _draft_room(self, request: Request, budget: int) -> int:
+        """Most drafts ``request`` may verify this step: within the token budget, the context
+        limit and the tokens it may still emit (one of them comes from the target)."""
+        return max(min(budget,
+                       self.max_model_len - request.num_tokens - 1,
+                       request.sampling_params.max_tokens - request.num_output_tokens - 1), 0)
+
+    def _admit_waiting(self, budget: int, steps: list[tuple[Request, int]],
                        preempted: list[str]) -> int:
         """Admit waiting requests in order while budget, slots and blocks last; preempt less
         urgent running requests to make room (interactive never waits behind background)."""
@@ -178,14 +215,14 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 num_new = min(request.num_tokens - request.num_computed_tokens, cap)
-                scheduled.append(self._schedule_one(request, num_new))
+                steps.append((request, num_new))
                 budget -= num_new
                 self._spend(request, num_new)
                 continue
             victim = self._less_urgent_victim(request)
             if victim is None:
                 break  # wait for blocks, slots or budget to be freed
-            budget += self._unschedule(victim, scheduled)
+            budget += self._unschedule(victim, steps)
             self.running.remove(victim)
             self._preempt(victim)
             preempted.append(victim.request_id)
@@ -211,6 +248,7 @@ class Scheduler:
             request.request_id, request.token_ids_slice(0, request.num_tokens),
             request.cache_salt)
         num_cached = len(cached) * self.kv.block_size
+        assert num_cached <= request.num_tokens - 1  # a hit leaves the last token to compute
         num_new = min(request.num_tokens - num_cached, budget)
         if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
             return False
@@ -229,29 +267,25 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _unschedule(victim: Request, scheduled: list[ScheduledRequest]) -> int:
+    def _unschedule(victim: Request, steps: list[tuple[Request, int]]) -> int:
         """Drop ``victim`` from this step if it was scheduled; returns its tokens."""
-        for j, s in enumerate(scheduled):
-            if s.request_id == victim.request_id:
-                del scheduled[j]
-                return s.num_tokens
+        for j, (request, num_new) in enumerate(steps):
+            if request is victim:
+                del steps[j]
+                return num_new
         return 0
 
-    def _trim_drafts(self, request: Request, budget: int) -> None:
-        """Drop drafts that cannot be verified usefully this step: past the token budget, the
-        context limit, or the tokens the request may still emit (one comes from the target)."""
-        if not request.spec_token_ids:
-            return
-        room = min(
-            budget - (request.num_tokens - request.num_computed_tokens),
-            self.max_model_len - request.num_tokens - 1,
-            request.sampling_params.max_tokens - request.num_output_tokens - 1,
-        )
-        del request.spec_token_ids[max(room, 0):]
-
-    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
-        while not self.kv.allocate_slots(request.request_id,
-                                         request.num_computed_tokens + num_new):
+    def _allocate_or_preempt(self, request: Request, num_plain: int,
+                             preempted: list[str]) -> bool:
+        """One allocation for ``num_plain`` tokens plus the request's lookahead (draft)
+        slots. When the pool is short, the drafts go first, then the least urgent requests
+        are preempted (possibly ``request`` itself: False)."""
+        rid = request.request_id
+        while not self.kv.allocate_slots(
+                rid, request.num_computed_tokens + num_plain + request.num_lookahead_tokens):
+            if request.num_lookahead_tokens:
+                self._drop_drafts(request)
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             preempted.append(victim.request_id)
@@ -259,11 +293,18 @@ class Scheduler:
                 return False
         return True
 
+    def _drop_drafts(self, request: Request) -> None:
+        request.clear_drafts()
+        if self.speculation is not None:
+            self.speculation.cancel(request)
+
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
-        request.spec_token_ids, request.spec_draft_probs = [], None
+        request.clear_drafts()
+        if self.speculation is not None:
+            self.speculation.on_preempt(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -279,6 +320,8 @@ class Scheduler:
             start_pos=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
             num_draft_tokens=num_drafts,
+            draft_parents=(tuple(request.spec_tree_parents[:num_drafts])
+                           if request.spec_tree_parents is not None and num_drafts else None),
             draft_probs=(request.spec_draft_probs[:num_drafts]
                          if request.spec_draft_probs is not None and num_drafts else None),
             sample=end == request.num_tokens_with_spec,
@@ -290,12 +333,15 @@ class Scheduler:
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: list[list[int]],
-        logprobs: list[list[float]] | None,
+        logprobs: list[list[float]] | None, num_accepted: list[int] | None = None,
     ) -> list[RequestUpdate]:
         """Advance progress, append verified tokens, finish requests that hit a stop condition.
 
         ``sampled[i]`` holds the tokens accepted for ``output.requests[i]``: empty for a
-        non-final prefill chunk, else the accepted drafts followed by one sampled token.
+        non-final prefill chunk, else the accepted drafts followed by one sampled token;
+        ``num_accepted[i]`` the accepted drafts (default ``len(sampled[i]) - 1``). For a tree,
+        the runner has already moved the accepted path's K/V to the slots right after the
+        verified tokens, so progress rolls back past the rejected drafts alike.
         """
         updates: list[RequestUpdate] = []
         for i, sched in enumerate(output.requests):
@@ -303,10 +349,15 @@ class Scheduler:
             if request is None:  # finished while the step ran
                 continue
             tokens = sampled[i]
-            num_rejected = sched.num_draft_tokens - max(len(tokens) - 1, 0) if tokens else 0
+            accepted = (num_accepted[i] if num_accepted is not None
+                        else max(len(tokens) - 1, 0))
+            assert not tokens or len(tokens) == accepted + 1, (tokens, accepted)
+            num_rejected = sched.num_draft_tokens - accepted if tokens else 0
             # Rejected drafts' K/V is discarded: progress rolls back past them.
             request.num_computed_tokens = sched.start_pos + sched.num_tokens - num_rejected
-            request.spec_token_ids, request.spec_draft_probs = [], None
+            request.clear_drafts()
+            if self.speculation is not None and tokens:
+                self.speculation.record(request, sched.num_draft_tokens, accepted)
             new_tokens: list[int] = []
             status = None
             for j, token in enumerate(tokens):
@@ -327,3 +378,28 @@ class Scheduler:
                 self.finish_requests([request.request_id], status)
             updates.append(RequestUpdate(request, new_tokens, status is not None))
         return updates
+
+    def check_invariants(self) -> None:
+        """Between steps (tests run it after every step): every request is in exactly one
+        queue with a status to match; a running request's block table covers its computed
+        tokens and no more blocks than its tokens need; nothing is computed past the verified
+        tokens and no drafts are left over; the KV pool's own invariants hold."""
+        assert len(self.requests) == len(self.waiting) + len(self.running)
+        bs = self.kv.block_size
+        for request in self.waiting:
+            assert request.status == RequestStatus.WAITING, request.request_id
+            assert request.num_computed_tokens == 0, request.request_id
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, request.request_id
+            assert self.requests[request.request_id] is request
+            blocks = len(self.kv.block_table(request.request_id))
+            assert request.num_computed_tokens <= blocks * bs, request.request_id
+            # only verified tokens are cached (drafts were rolled back before caching)
+            assert self.kv.num_hashed_tokens(request.request_id) \
+                <= request.num_computed_tokens, request.request_id
+            assert blocks <= -(-request.num_tokens // bs) + 1, (request.request_id, blocks)
+        for request in self.requests.values():
+            assert request.num_computed_tokens <= request.num_tokens, request.request_id
+            assert not request.spec_token_ids and request.spec_tree_parents is None
+            request.spec_state.check_invariants(request.num_computed_tokens)
+        self.kv.check_invariants()

@@ -1,10 +1,19 @@
-"""Engine-side speculation: choose drafts for the next step and keep acceptance statistics.
+"""Engine-side speculation: the scheduler's :class:`engine.scheduler.Speculation`.
 
-After each step the engine calls :meth:`Speculator.propose` with the running requests. For
-every request in its decode phase (all but the newest token computed) whose settings allow
-speculation, the proposer drafts up to ``max_k`` tokens, the adaptive policy decides how many
-of them are worth verifying, and they are stored in ``request.spec_token_ids``; the scheduler
-then schedules them with the request's next token and the runner verifies them.
+The scheduler decides; the speculator follows. Each step ``schedule()`` first chooses the
+batch without drafts, then calls :meth:`Speculator.plan` with the chosen requests that decode
+(all but their newest token computed), how many drafts each may take and the batch's real
+size (prefill chunks included). For each, the request's proposer (or, for ``combined``, the
+best of them) drafts; the adaptive policy decides how many drafts pay at this batch size;
+model-free drafts go to ``request.spec_token_ids``, the draft model's count to
+``spec_state.model_k``. The scheduler then reserves every draft's slot in the request's one
+allocation and calls :meth:`Speculator.draft`, where the draft model fills what it owes into
+those slots. After verification the scheduler reports each request through
+:meth:`Speculator.record`; preemption and the end of a request reach
+:meth:`Speculator.on_preempt` and :meth:`Speculator.on_finish`.
+
+Per-request state lives in ``request.spec_state`` (:class:`spec.state.RequestSpecState`),
+written only here.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quickdraft.engine.kv_cache import KVCacheManager
-from quickdraft.engine.request import Request
+from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.step_plan import StepPlan
 from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
 from quickdraft.spec.ngram import NgramProposer
@@ -26,11 +35,6 @@ from quickdraft.spec.recycling import RecyclingProposer
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_tree import available as suffix_tree_available
 from quickdraft.spec.verification import supports_speculation
-
-# Recycling drafts were accepted 26–34 % of the time on spec_bench (SmolLM2, 2026-11-24);
-# the tracker's optimistic 0.6 made every request pay for drafts that mostly fail before it
-# learned that, and suffix-with-fallback came out a little slower than suffix alone.
-RECYCLING_PRIOR = 0.3
 
 
 @dataclass
@@ -80,14 +84,8 @@ class Speculator:
         self.recycling = RecyclingProposer(vocab_size) if vocab_size else None
         self.policy = policy
         self.kv = kv
-        self.draft = draft
+        self.draft_model = draft
         self.max_model_len = max_model_len
-        # Per request and source ("ngram" / "suffix" / "recycling" / "draft"): acceptance
-        # differs a lot between them.
-        self._trackers: dict[tuple[str, str], AcceptanceTracker] = {}
-        self._verifying: dict[str, AcceptanceTracker] = {}  # tracker of this step's drafts
-        # Draft-model cache progress: request id -> (valid positions, preemptions seen).
-        self._draft_progress: dict[str, tuple[int, int]] = {}
         self.stats = SpeculationStats(accepted_per_position=[0] * max_k,
                                       drafted_per_position=[0] * max_k)
 
@@ -95,17 +93,13 @@ class Speculator:
         params: SpeculationParams | None = request.spec_params
         return params.method if params and params.method else self.method
 
-    def _wants(self, request: Request) -> int:
-        """Most drafts this request may take (0 = no speculation for it)."""
+    def _wants(self, request: Request, room: int) -> int:
+        """Most drafts this request may take (0 = no speculation for it); ``room``: what the
+        scheduler leaves it this step."""
         params: SpeculationParams | None = request.spec_params
         if self.method_of(request) == "off" or not supports_speculation(request.sampling_params):
             return 0
-        if request.num_computed_tokens != request.num_tokens - 1:
-            return 0  # still prefilling, or just preempted
         k = params.k if params and params.k is not None else self.max_k
-        # One token always comes from the target; drafts past the limits are wasted.
-        room = min(self.max_model_len - request.num_tokens - 1,
-                   request.sampling_params.max_tokens - request.num_output_tokens - 1)
         return max(min(k, self.max_k, room), 0)
 
     def _candidate(self, request: Request, k: int) -> _Candidate | None:
@@ -124,7 +118,7 @@ class Speculator:
             drafts, source = self.recycling.propose(request, k), "recycling"
         if drafts:
             return _Candidate(request, drafts, len(drafts), self._tracker(request, source))
-        if method == "draft" and self.draft is not None:
+        if method == "draft" and self.draft_model is not None:
             return _Candidate(request, None, k, self._tracker(request, "draft"))
         return None
 
@@ -139,7 +133,7 @@ class Speculator:
             gain = expected_accepted(tracker.alpha, len(drafts))
             if best is None or gain > best_gain:
                 best, best_gain = _Candidate(request, drafts, len(drafts), tracker), gain
-        if best is None and self.draft is not None:
+        if best is None and self.draft_model is not None:
             best = _Candidate(request, None, k, self._tracker(request, "draft"))
         return best
 
@@ -153,13 +147,9 @@ class Speculator:
             found.append(("recycling", self.recycling.propose(request, k)))
         return [(source, drafts) for source, drafts in found if drafts]
 
-    def _tracker(self, request: Request, source: str) -> AcceptanceTracker:
-        """This request's acceptance estimate for drafts from ``source``."""
-        key = (request.request_id, source)
-        if key not in self._trackers:  # recycling starts at its measured mean, not 0.6
-            prior = RECYCLING_PRIOR if source == "recycling" else AcceptanceTracker.alpha
-            self._trackers[key] = AcceptanceTracker(alpha=prior)
-        return self._trackers[key]
+    @staticmethod
+    def _tracker(request: Request, source: str) -> AcceptanceTracker:
+        return request.spec_state.tracker(source)
 
     def recycler(self, requests: list[Request]
                  ) -> Callable[[torch.Tensor, StepPlan], None] | None:
@@ -175,19 +165,22 @@ class Speculator:
         recycling, tenants = self.recycling, [r.cache_salt for r in requests]
         return lambda logits, plan: recycling.observe_step(logits, plan, tenants, wanted)
 
-    def propose(self, running: list[Request], num_plain_tokens: int) -> None:
-        """Fill ``spec_token_ids`` (and ``spec_draft_probs``) of the running requests."""
+    def plan(self, requests: list[Request], rooms: list[int], num_plain_tokens: int,
+             budget: int) -> None:
+        """Drafts for this step's decoding ``requests`` (the scheduler's call): see the module
+        docstring. ``rooms[i]``: most drafts request i may take; ``budget``: in all."""
         start = time.perf_counter()
         try:
-            self._propose(running, num_plain_tokens)
+            self._plan(requests, rooms, num_plain_tokens, budget)
         finally:
             self.stats.proposer_seconds += time.perf_counter() - start
 
-    def _propose(self, running: list[Request], num_plain_tokens: int) -> None:
+    def _plan(self, requests: list[Request], rooms: list[int], num_plain_tokens: int,
+              budget: int) -> None:
         candidates: list[_Candidate] = []
-        for request in running:
-            request.spec_token_ids, request.spec_draft_probs = [], None
-            k = self._wants(request)
+        for request, room in zip(requests, rooms, strict=True):
+            request.clear_drafts()
+            k = self._wants(request, room)
             if k and (candidate := self._candidate(request, k)) is not None:
                 candidates.append(candidate)
         if not candidates:
@@ -197,51 +190,65 @@ class Speculator:
                                   [c.drafts is None for c in candidates],
                                   [1.0 if c.request.priority <= 0 else
                                    self.policy.background_weight for c in candidates])
-        by_model: list[tuple[Request, int]] = []
         for c, k in zip(candidates, ks, strict=True):
             c.tracker.steps_since_probe += 1
             if k == 0 and c.tracker.alpha <= self.policy.probe_below_alpha \
                     and c.tracker.steps_since_probe >= self.policy.probe_interval:
                 k = 1  # re-test a request whose acceptance had collapsed (not one that
                 # was refused because drafting costs too much at this batch size)
+            k = min(k, budget)
             if not k:
                 continue
+            budget -= k
             c.tracker.steps_since_probe = 0
-            self._verifying[c.request.request_id] = c.tracker
+            state = c.request.spec_state
+            state.verifying = c.tracker
+            state.num_planned_steps += 1
             if c.drafts is None:
-                by_model.append((c.request, k))
+                state.model_k = k
             else:
                 c.request.spec_token_ids = c.drafts[:k]
-        if by_model:
-            self._propose_with_model(by_model)
 
-    def _propose_with_model(self, items: list[tuple[Request, int]]) -> None:
-        """One batched draft-model call for every request that drafts with it."""
-        assert self.draft is not None and self.kv is not None
+    def draft(self, requests: list[Request]) -> None:
+        """The draft model drafts ``spec_state.model_k`` tokens for each of ``requests`` in
+        one batched call, into the slots the scheduler reserved (the block tables already
+        cover ``num_tokens + model_k`` positions)."""
+        assert self.draft_model is not None and self.kv is not None
+        start = time.perf_counter()
         inputs: list[DraftInput] = []
-        requests: list[Request] = []
-        for request, k in items:
+        for request in requests:
+            state = request.spec_state
+            # Invariant: the draft cache is valid only where the target's is (verified).
+            done = min(state.draft_cache_valid, request.num_computed_tokens)
             rid = request.request_id
-            done, preemptions = self._draft_progress.get(rid, (0, request.num_preemptions))
-            # Invariant: the draft cache is valid only where the target's is (verified tokens).
-            done = min(done, request.num_computed_tokens) \
-                if preemptions == request.num_preemptions else 0
-            if not self.kv.allocate_slots(rid, request.num_tokens + k):
-                continue  # the pool is short: no drafts this step
+            assert len(self.kv.block_table(rid)) * self.kv.block_size \
+                >= request.num_tokens + state.model_k, "draft slots not reserved"
             inputs.append(DraftInput(
                 pending_token_ids=request.token_ids_slice(done, request.num_tokens),
-                start_pos=done, k=k, block_table=tuple(self.kv.block_table(rid)),
+                start_pos=done, k=state.model_k, block_table=tuple(self.kv.block_table(rid)),
                 sampling_params=request.sampling_params, generator=request.generator))
-            requests.append(request)
-        for request, inp, out in zip(requests, inputs, self.draft.propose(inputs), strict=True):
+        for request, inp, out in zip(requests, inputs, self.draft_model.propose(inputs),
+                                     strict=True):
             request.spec_token_ids = out.token_ids
             request.spec_draft_probs = out.probs
-            self._draft_progress[request.request_id] = (
-                request.num_tokens + inp.k - 1, request.num_preemptions)
+            request.spec_state.model_k = 0
+            request.spec_state.draft_cache_valid = request.num_tokens + inp.k - 1
+        self.stats.proposer_seconds += time.perf_counter() - start
+
+    def cancel(self, request: Request) -> None:
+        """The drafts planned for ``request`` will not be verified this step."""
+        request.spec_state.verifying = None
+        request.spec_state.model_k = 0
+
+    def on_preempt(self, request: Request) -> None:
+        request.spec_state.on_preempt()
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """Account one verification of ``num_drafted`` drafts for ``request``."""
-        tracker = self._verifying.pop(request.request_id, None)
+        state = request.spec_state
+        tracker, state.verifying = state.verifying, None
+        # the draft model's cache holds real tokens only up to the verified ones
+        state.draft_cache_valid = min(state.draft_cache_valid, request.num_computed_tokens)
         if num_drafted == 0:
             return
         if tracker is not None:
@@ -258,19 +265,16 @@ class Speculator:
             if pos < num_accepted:
                 s.accepted_per_position[pos] += 1
 
-    def finish(self, request: Request, learn: bool = True) -> None:
-        """The request is done: drop its state; with ``learn``, its output joins its
-        tenant's suffix partition (only requests that ran to a normal end)."""
-        request_id = request.request_id
-        for source in ("ngram", "suffix", "recycling", "draft"):
-            self._trackers.pop((request_id, source), None)
-        self._verifying.pop(request_id, None)
-        self._draft_progress.pop(request_id, None)
+    def on_finish(self, request: Request, status: RequestStatus) -> None:
+        """The request is done: drop its state; its output joins its tenant's suffix
+        partition when it ended normally or was cancelled (not on an error)."""
+        request.spec_state.on_preempt()
+        request.spec_state.trackers.clear()
         if self.suffix is not None:
-            if learn:
+            if status != RequestStatus.FINISHED_ERROR and request.error is None:
                 self.suffix.finish(request)
             else:
-                self.suffix.forget(request_id)
+                self.suffix.forget(request.request_id)
 
 
 def _context(request: Request, limit: int) -> list[int]:

@@ -29,6 +29,7 @@ def sched(num_blocks=16, block_size=4, max_seqs=4, budget=32, aging=None, bg_tok
 def step(s: Scheduler):
     out = s.schedule()
     s.update_from_output(out, [[7] if r.sample else [] for r in out.requests], None)
+    s.check_invariants()
     return out
 
 

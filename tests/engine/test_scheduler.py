@@ -24,7 +24,9 @@ def sched(num_blocks=16, block_size=4, max_seqs=4, budget=16, max_len=1000):
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
     sampled = [[token] if r.sample else [] for r in out.requests]
-    return out, s.update_from_output(out, sampled, None)
+    updates = s.update_from_output(out, sampled, None)
+    s.check_invariants()
+    return out, updates
 
 
 def test_chunked_prefill_under_token_budget():

@@ -1,0 +1,58 @@
+"""One request's speculation state: everything the speculator knows about a request, in one
+object that lives on the request (``Request.spec_state``).
+
+Its only writer is :class:`spec.speculator.Speculator`; the scheduler reaches it through the
+speculator's hooks (``plan``/``draft``/``record`` each step, ``on_preempt`` and ``on_finish``
+at those events), never directly.
+
+Invariants (:meth:`RequestSpecState.check_invariants`, which the scheduler's check runs every
+step in tests):
+
+* ``draft_cache_valid <= request.num_computed_tokens``: the draft model's K/V is trusted only
+  where the target's is (verified tokens); a preemption resets it to 0;
+* ``model_k > 0`` only between ``plan`` (which reserves the slots) and ``draft`` (which fills
+  the drafts) of one step;
+* ``verifying`` is set only while the request has drafts in flight (None between steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from quickdraft.spec.policy import AcceptanceTracker
+
+# Where a request's drafts come from: acceptance is tracked per source.
+SOURCES = ("ngram", "suffix", "recycling", "draft")
+
+# Recycling drafts were accepted 26–34 % of the time on spec_bench (SmolLM2, 2026-11-24);
+# the tracker's optimistic 0.6 made every request pay for drafts that mostly fail before it
+# learned that, and suffix-with-fallback came out a little slower than suffix alone.
+RECYCLING_PRIOR = 0.3
+
+
+@dataclass
+class RequestSpecState:
+    trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)  # by source
+    verifying: AcceptanceTracker | None = None  # the tracker of the drafts in flight
+    model_k: int = 0  # drafts the draft model owes this step (slots already reserved)
+    draft_cache_valid: int = 0  # draft-model K/V valid for positions [0, this)
+    num_planned_steps: int = 0  # steps in which drafts were planned for the request
+
+    def tracker(self, source: str) -> AcceptanceTracker:
+        """The request's acceptance estimate for drafts from ``source``."""
+        if source not in self.trackers:  # recycling starts at its measured mean, not 0.6
+            prior = RECYCLING_PRIOR if source == "recycling" else AcceptanceTracker.alpha
+            self.trackers[source] = AcceptanceTracker(alpha=prior)
+        return self.trackers[source]
+
+    def on_preempt(self) -> None:
+        """The request lost its KV blocks: nothing in flight, the draft cache restarts."""
+        self.verifying = None
+        self.model_k = 0
+        self.draft_cache_valid = 0
+
+    def check_invariants(self, num_computed_tokens: int) -> None:
+        """Between steps (after the scheduler applied a step's output)."""
+        assert 0 <= self.draft_cache_valid <= num_computed_tokens, \
+            (self.draft_cache_valid, num_computed_tokens)
+        assert self.model_k == 0 and self.verifying is None, (self.model_k, self.verifying)
