@@ -10,7 +10,10 @@ num_kv_heads, head_dim]`` (0 = K, 1 = V), position ``p`` of sequence ``s`` in bl
 ``block_tables[s, p // block_size]`` at offset ``p % block_size``; flat queries
 ``[num_tokens, num_heads, head_dim]``, sequence ``s`` owning rows
 ``query_start_loc[s]:query_start_loc[s + 1]``, which sit at the last ``q_len`` positions of
-its ``seq_lens[s]``-token context and attend causally.
+its ``seq_lens[s]``-token context and attend causally, or, in a tree-verification step,
+as ``tree_mask`` says: row ``i`` of a sequence (``base = seq_len - q_len``) with a nonzero
+mask sees the context ``[0, base)`` and position ``base + j`` for each set bit ``j`` of its
+int64 mask (read as the unsigned 64-bit pattern; 0 = a causal row).
 
 Kernels (see docs/kernels.md for the blocking):
 
@@ -23,6 +26,13 @@ Kernels (see docs/kernels.md for the blocking):
   online softmax in fp32 (exp2, scale folded into log2 e). With ``num_splits > 1`` (flash
   decoding) split ``i`` takes the ``i``-th share of those tiles and writes an fp32 partial
   output and its log-sum-exp; ``_reduce_splits_kernel`` combines them.
+  Tree masks (constexpr ``HAS_TREE``, set only when ``meta.tree_mask`` is not None: without
+  one the kernel compiles to the causal one, the mask pointer a stand-in never read): each
+  row loads its mask once; inside the query region ``[base, seq_len)`` a key at position
+  ``p`` stays visible only if bit ``p - base`` is set (on top of the causal test, which a
+  valid mask never widens). The key range, the tiles and the splits stay the causal ones: a
+  tree row's own position bounds what it sees, and a tile or split it sees nothing of is an
+  exact no-op (it always sees itself somewhere).
 * ``_write_kv_kernel``: one program per new token scatters its K and V rows
   (``[num_kv_heads, head_dim]``) into ``slot_mapping[token]``; negative slots are skipped.
 
@@ -114,6 +124,7 @@ def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    tree_mask_ptr,  # [num_tokens] int64 ancestor bitmasks; read only when HAS_TREE
     qk_scale,  # softmax scale * log2(e)
     num_seqs, num_splits, block_size,
     stride_qt, stride_qh, stride_qd,
@@ -124,7 +135,8 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     G: tl.constexpr,  # query heads per kv head
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, INTERP: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_TREE: tl.constexpr, INTERP: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -151,6 +163,10 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if HAS_TREE:
+        # 0: a causal row (also every padding row); else bit j = query row j is visible
+        tree = tl.load(tree_mask_ptr + token, mask=row_ok, other=0)  # [BLOCK_M] int64
+        tree_row = tree != 0
 
     # keys visible to the last query of this block, as whole BLOCK_N tiles
     kv_end = tl.minimum(ctx, prefix + tl.minimum(q_len, (q_block + 1) * BLOCK_Q))
@@ -181,6 +197,14 @@ def _paged_attention_kernel(
                     mask=pos_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         s = _dot(q, k, INTERP, PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        if HAS_TREE:
+            # a tree row sees [0, prefix) and the query rows whose bits it has; its mask has
+            # no bit above its own row, so that is a subset of the causal set kept above.
+            # The shift is clamped to [0, 63] (sign extension of bit 63 never reaches bit 0)
+            rel = pos - prefix
+            shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
+            bit = ((tree[:, None] >> shift[None, :]) & 1) != 0
+            visible = visible & (~tree_row[:, None] | (rel < 0)[None, :] | bit)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row that has seen no visible key yet (possible in a split) keeps m = -inf:
@@ -321,9 +345,13 @@ def paged_attention_varlen(
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens] int64 ancestor bitmasks
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query's dtype
     """Tensor-level entry point; all tensors on the same device. ``max_query_len`` only picks
-    the query tile (any upper bound of the longest query is correct)."""
+    the query tile (any upper bound of the longest query is correct). ``tree_mask``: the
+    rows' ancestor bitmasks as :mod:`kernels.attention_metadata` defines them (not checked
+    here: :func:`kernels.attention_metadata.check_tree_mask`); None compiles and runs the
+    plain causal kernel."""
     require("quickdraft.kernels.triton_attention")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -335,6 +363,16 @@ def paged_attention_varlen(
                         f"{sorted(map(str, _DTYPES))} for both")
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
+    if tree_mask is not None:
+        if tree_mask.dtype != torch.int64 or tuple(tree_mask.shape) != (num_tokens,):
+            raise ValueError(f"tree_mask {tree_mask.dtype} {tuple(tree_mask.shape)}: expected "
+                             f"int64 [{num_tokens}]")
+        tree_mask = _on(tree_mask, query.device)
+        if tree_mask.stride(0) != 1:
+            tree_mask = tree_mask.contiguous()
+    # the mask pointer is never read without HAS_TREE: any tensor stands in for it
+    mask_arg = tree_mask if tree_mask is not None else seq_lens
+    has_tree = tree_mask is not None
     num_seqs = seq_lens.shape[0]
     group = num_heads // num_kv_heads
     common = attention_config(query.dtype, head_dim, group, max_query_len, block_m, block_n)
@@ -347,22 +385,22 @@ def paged_attention_varlen(
     qk_scale = scale * math.log2(math.e)
     if num_splits <= 1:
         _paged_attention_kernel[grid](
-            query, kv_cache, out, out, block_tables, seq_lens, query_start_loc, qk_scale,
-            num_seqs, 1, kv_cache.shape[2],
+            query, kv_cache, out, out, block_tables, seq_lens, query_start_loc, mask_arg,
+            qk_scale, num_seqs, 1, kv_cache.shape[2],
             *query.stride(), *kv_cache.stride(),
             out.stride(0), out.stride(1), 0, out.stride(2),
-            0, 0, 0, block_tables.stride(0), SPLIT=False, **common)
+            0, 0, 0, block_tables.stride(0), SPLIT=False, HAS_TREE=has_tree, **common)
         return out
     part = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
                        device=query.device)
     lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
                       device=query.device)
     _paged_attention_kernel[grid](
-        query, kv_cache, part, lse, block_tables, seq_lens, query_start_loc, qk_scale,
-        num_seqs, num_splits, kv_cache.shape[2],
+        query, kv_cache, part, lse, block_tables, seq_lens, query_start_loc, mask_arg,
+        qk_scale, num_seqs, num_splits, kv_cache.shape[2],
         *query.stride(), *kv_cache.stride(),
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-        *lse.stride(), block_tables.stride(0), SPLIT=True, **common)
+        *lse.stride(), block_tables.stride(0), SPLIT=True, HAS_TREE=has_tree, **common)
     _reduce_splits_kernel[(num_tokens, num_heads)](
         part, lse, out, num_splits, *part.stride(), *lse.stride(), *out.stride(),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=next_pow2(head_dim),
@@ -380,9 +418,9 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """:func:`kernels.torch_attention.paged_attention` in one launch (two with split-KV).
-    ``num_splits``: None takes ``meta.num_splits``, else picks with :func:`choose_num_splits`;
-    1 = no split."""
+    """:func:`kernels.torch_attention.paged_attention` in one launch (two with split-KV),
+    honouring ``meta.tree_mask``. ``num_splits``: None takes ``meta.num_splits``, else picks
+    with :func:`choose_num_splits`; 1 = no split."""
     if num_splits is None:
         num_splits = meta.num_splits
     if num_splits is None:
@@ -391,7 +429,7 @@ def paged_attention(
     return paged_attention_varlen(
         query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
         max_query_len=meta.max_query_len, num_splits=num_splits, block_m=block_m,
-        block_n=block_n)
+        block_n=block_n, tree_mask=meta.tree_mask)
 
 
 def write_kv(

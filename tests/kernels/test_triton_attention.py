@@ -1,5 +1,6 @@
 """kernels.triton_attention against the oracle (tests/kernels/attention_oracle.py) and the
-torch attention backend (kernels.torch_attention).
+torch attention backend (kernels.torch_attention); tree-verification steps against
+:func:`masked_reference` (written here: the oracle had no tree masks yet).
 
 Without a GPU this runs on CPU tensors through the Triton interpreter (tests/conftest.py sets
 ``TRITON_INTERPRET=1`` before triton is imported); skipped without triton. On a GPU
@@ -9,6 +10,7 @@ the grid in Python.
 """
 
 
+import dataclasses
 import random
 
 import pytest
@@ -36,8 +38,9 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 TOL = {F32: 5e-6, F16: 2e-3, BF16: 1.6e-2}
 
 
-def _step(q_lens, ctx_lens, block_size, heads, kv_heads, dim, dtype, seed=0):
-    """A random step: shuffled (non-contiguous) blocks, the new tokens' K/V already written."""
+def _step(q_lens, ctx_lens, block_size, heads, kv_heads, dim, dtype, seed=0, tree_mask=None):
+    """A random step: shuffled (non-contiguous) blocks, the new tokens' K/V already written;
+    ``tree_mask``: one int per row (unsigned 64-bit patterns), as build_metadata takes it."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 3
@@ -48,13 +51,18 @@ def _step(q_lens, ctx_lens, block_size, heads, kv_heads, dim, dtype, seed=0):
     qsl = [0]
     for q in q_lens:
         qsl.append(qsl[-1] + q)
-    meta = build_metadata(qsl, list(ctx_lens), tables, block_size, DEVICE)
+    meta = build_metadata(qsl, list(ctx_lens), tables, block_size, DEVICE, tree_mask=tree_mask)
     query = torch.randn(qsl[-1], heads, dim, generator=gen).to(dtype)
     return query.to(DEVICE), kv_cache.to(DEVICE), meta
 
 
-def _check(got, query, kv_cache, meta, scale):
-    want = naive_attention(query.cpu(), kv_cache.cpu(), meta, scale)
+def _check(got, query, kv_cache, meta, scale, masks=None):
+    """Within TOL of the oracle, or with ``masks`` (the step's tree masks) of
+    :func:`masked_reference`."""
+    if masks is None:
+        want = naive_attention(query.cpu(), kv_cache.cpu(), meta, scale)
+    else:
+        want = masked_reference(query, kv_cache, meta, scale, masks)
     assert got.shape == query.shape and got.dtype == query.dtype
     assert torch.isfinite(got).all()
     err = (got.cpu().float() - want.float()).abs().max().item()
@@ -237,3 +245,172 @@ def test_plugs_in_as_the_model_backend():
             out[name] = model(ids.to(device), positions.to(device), caches,
                               metas[device]).cpu()
     torch.testing.assert_close(out["triton"], out["torch"], atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- tree verification
+
+
+def tree_masks(parents):
+    """Ancestor bitmasks (attention_metadata's tree_mask) of a tree given as ``parents[i] <
+    i`` (``-1``: a root): row ``i`` sees itself and its ancestors."""
+    masks: list[int] = []
+    for i, parent in enumerate(parents):
+        assert parent < i
+        masks.append((1 << i) | (masks[parent] if parent >= 0 else 0))
+    return masks
+
+
+def random_tree(n, rng):
+    """A random tree of ``n`` rows rooted at row 0 (the pending token)."""
+    return tree_masks([-1] + [rng.randrange(i) for i in range(1, n)])
+
+
+def masked_reference(query, kv_cache, meta, scale, masks=None):
+    """The oracle's semantics (fp32 softmax on the host, rounded to query.dtype) with tree
+    masks: ``masks`` one int per row (None: all causal). A row with mask 0 sees positions
+    ``[0, base + i]``; else ``[0, base)`` and ``base + j`` for every set bit ``j``."""
+    query, kv_cache = query.cpu(), kv_cache.cpu()
+    qsl, lens, tables = meta.host_query_start_loc(), meta.host_seq_lens(), meta.host_block_tables()
+    block_size, group = kv_cache.shape[2], query.shape[1] // kv_cache.shape[3]
+    out = torch.zeros_like(query)
+    for s, ctx in enumerate(lens):
+        start, end = qsl[s], qsl[s + 1]
+        q_len, base = end - start, ctx - (end - start)
+        if not q_len:
+            continue
+        pos = torch.arange(ctx)
+        blocks = tables[s].long()[pos // block_size]
+        k, v = (kv_cache[i, blocks, pos % block_size].float().repeat_interleave(group, 1)
+                for i in (0, 1))  # [ctx, heads, head_dim]
+        visible = torch.zeros(q_len, ctx, dtype=torch.bool)
+        for i in range(q_len):
+            bits = (masks[start + i] if masks else 0) & ((1 << 64) - 1)
+            if bits == 0:
+                visible[i, : base + i + 1] = True
+                continue
+            visible[i, :base] = True
+            for j in range(q_len):
+                visible[i, base + j] = bool(bits >> j & 1)
+        scores = torch.einsum("thd,khd->htk", query[start:end].float(), k) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("htk,khd->thd", probs, v).to(out.dtype)
+    return out
+
+
+def _tree_batch(seed):
+    """One step mixing every kind of row: a random 7-node tree after 30 cached positions, a
+    prefill chunk (causal, 20 rows), a plain decode (mask 0), a decode as a one-node tree
+    (mask 1), a 5-node chain (masks 2^(i+1) - 1: causal by another name), a 12-node tree
+    with no cached context (base 0) and a forest (rows without bit 0: roots after row 0).
+    Returns (q_lens, ctx_lens, masks)."""
+    rng = random.Random(seed)
+    rows = [
+        (30, random_tree(7, rng)),
+        (25, [0] * 20),
+        (16, [0]),
+        (8, [1]),
+        (12, tree_masks(list(range(-1, 4)))),
+        (0, random_tree(12, rng)),
+        (10, tree_masks([-1, -1, 0, 1, -1, 2, 4])),
+    ]
+    q_lens = [len(m) for _, m in rows]
+    ctx_lens = [c + len(m) for c, m in rows]
+    return q_lens, ctx_lens, [m for _, rows_masks in rows for m in rows_masks]
+
+
+def test_masked_reference_without_masks_is_the_oracle():
+    query, kv_cache, meta = _step(*MIXED, 5, 6, 2, 64, F32, seed=2)
+    want = naive_attention(query.cpu(), kv_cache.cpu(), meta, 0.125)
+    got = masked_reference(query, kv_cache, meta, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)], ids=["gqa1", "gqa3"])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_tree_step_matches_masked_reference(dtype, heads, kv_heads, block_size):
+    q_lens, ctx_lens, masks = _tree_batch(seed=block_size)
+    query, kv_cache, meta = _step(q_lens, ctx_lens, block_size, heads, kv_heads, 64, dtype,
+                                  seed=heads, tree_mask=masks)
+    assert meta.tree_mask is not None
+    meta.check_invariants()
+    got = ta.paged_attention(query, kv_cache, meta, 0.125, num_splits=1)
+    _check(got, query, kv_cache, meta, 0.125, masks)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 16), (32, 64), (16, 128)])
+def test_tree_tile_sizes(block_m, block_n):
+    """A tree crossing query-tile borders (BLOCK_Q = 5, 21, 10 rows at G = 3) and KV tiles
+    smaller and larger than the cache blocks."""
+    q_lens, ctx_lens, masks = _tree_batch(seed=4)
+    query, kv_cache, meta = _step(q_lens, ctx_lens, 16, 6, 2, 64, F32, seed=3, tree_mask=masks)
+    got = ta.paged_attention(query, kv_cache, meta, 0.125, num_splits=1, block_m=block_m,
+                             block_n=block_n)
+    _check(got, query, kv_cache, meta, 0.125, masks)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("splits", [3, 8])
+def test_tree_split_kv(dtype, splits):
+    """Split-KV forced on: trees after long contexts (the query rows land in the last split,
+    earlier splits are pure context), next to a decode and a causal row set."""
+    rng = random.Random(splits)
+    trees = [random_tree(9, rng), random_tree(4, rng)]
+    q_lens = [9, 1, 4, 6]
+    ctx_lens = [200, 130, 60, 40]
+    masks = trees[0] + [0] + trees[1] + [0] * 6
+    query, kv_cache, meta = _step(q_lens, ctx_lens, 5, 6, 2, 64, dtype, seed=splits,
+                                  tree_mask=masks)
+    got = ta.paged_attention(query, kv_cache, meta, 0.125, num_splits=splits)
+    _check(got, query, kv_cache, meta, 0.125, masks)
+
+
+@pytest.mark.parametrize("dtype,splits", [(F32, 1), (BF16, 1), (F32, 4)],
+                         ids=["fp32", "bf16", "fp32-split4"])
+def test_64_row_tree(dtype, splits):
+    """The widest tree: row 63's mask has bit 63 set (a negative int64 on the device)."""
+    masks = [*random_tree(64, random.Random(64)), 0]  # and a plain decode
+    query, kv_cache, meta = _step([64, 1], [100, 20], 16, 4, 2, 32, dtype, seed=64,
+                                  tree_mask=masks)
+    assert int(meta.tree_mask[63]) < 0
+    got = ta.paged_attention(query, kv_cache, meta, 32**-0.5, num_splits=splits)
+    _check(got, query, kv_cache, meta, 32**-0.5, masks)
+
+
+def test_no_mask_and_causal_masks_are_bitwise_the_causal_kernel():
+    """``tree_mask`` None is the causal kernel as before; a mask that only names causal sets
+    (all 0, or every sequence written as a chain, 2^(i+1) - 1) gives bitwise the same output
+    through HAS_TREE; and a tree changes exactly the rows whose set it narrows (its root, the
+    chain and the other sequences' rows stay bitwise equal)."""
+    q_lens, ctx_lens, masks = _tree_batch(seed=9)
+    query, kv_cache, meta = _step(q_lens, ctx_lens, 5, 6, 2, 64, BF16, seed=9)
+    assert meta.tree_mask is None
+    causal = ta.paged_attention(query, kv_cache, meta, 0.125, num_splits=1)
+    plain = ta.paged_attention_varlen(
+        query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125,
+        max_query_len=meta.max_query_len)
+    assert torch.equal(plain, causal)
+    row_in_seq = [i for q in q_lens for i in range(q)]
+    chain = [(1 << (i + 1)) - 1 for i in row_in_seq]  # every q_len here is <= 64
+    for causal_masks in ([0] * meta.num_tokens, chain):
+        mask = torch.tensor([m - (1 << 64) if m >> 63 else m for m in causal_masks],
+                            dtype=torch.int64, device=DEVICE)
+        got = ta.paged_attention(query, kv_cache, dataclasses.replace(meta, tree_mask=mask),
+                                 0.125, num_splits=1)
+        assert torch.equal(got, causal)
+    *_, tree_meta = _step(q_lens, ctx_lens, 5, 6, 2, 64, BF16, seed=9, tree_mask=masks)
+    tree = ta.paged_attention(query, kv_cache, tree_meta, 0.125, num_splits=1)
+    narrowed = torch.tensor([m not in (0, (1 << (i + 1)) - 1)
+                             for m, i in zip(masks, row_in_seq, strict=True)])
+    assert 0 < int(narrowed.sum()) < len(masks)
+    row_equal = (tree == causal).flatten(1).all(1).cpu()
+    assert row_equal[~narrowed].all()
+    assert not row_equal[narrowed].any()
+
+
+def test_tree_mask_must_be_int64_per_row():
+    query, kv_cache, meta = _step([3], [10], 16, 2, 2, 16, F32)
+    args = (query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25)
+    for bad in (torch.tensor([1, 3, 7], dtype=torch.int32), torch.tensor([1, 3])):
+        with pytest.raises(ValueError, match="tree_mask"):
+            ta.paged_attention_varlen(*args, max_query_len=3, tree_mask=bad.to(DEVICE))

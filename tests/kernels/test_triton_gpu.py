@@ -111,3 +111,39 @@ def test_verification_rows_equal_decode_rows():
         # what this measures (docs/kernels.md: still open)
         print(f"row {i}: max |decode - verify| = {diff}")
         assert diff <= 1.6e-2
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("splits", [1, 4, None])
+def test_tree_verification_steps(dtype, heads, kv_heads, dim, splits):
+    """Tree masks compiled: random trees of 2..64 rows (one of 64: bit 63, a negative int64)
+    after long contexts, mixed with decodes, a prefill chunk and a causal chain, against the
+    interpreter tests' masked reference; and an all-zero mask is bitwise the causal kernel."""
+    import dataclasses
+
+    from quickdraft.kernels import triton_attention as ta
+    from tests.kernels.test_triton_attention import masked_reference, random_tree, tree_masks
+
+    rng = random.Random(heads + dim)
+    trees = [random_tree(64, rng)] + [random_tree(rng.randint(2, 40), rng) for _ in range(7)]
+    chain = tree_masks(list(range(-1, 7)))
+    row_masks = [*trees, chain, [0] * 150] + [[0]] * 12
+    q_lens = [len(m) for m in row_masks]
+    ctx = [rng.randint(q, 3000) for q in q_lens]
+    masks = [m for rows in row_masks for m in rows]
+    query, kv_cache, qsl, ctx, tables = _random_step(q_lens, ctx, 16, heads, kv_heads, dim,
+                                                     dtype)
+    meta = build_metadata(qsl, ctx, tables, 16, "cuda", tree_mask=masks)
+    meta.check_invariants()
+    assert meta.tree_mask is not None
+    got = ta.paged_attention(query, kv_cache, meta, dim**-0.5, num_splits=splits)
+    want = masked_reference(query.cpu(), kv_cache.cpu(), meta, dim**-0.5, masks)
+    assert torch.isfinite(got).all()
+    tol = 1.6e-2 if dtype == BF16 else 2e-3  # as in test_triton_attention.py
+    assert (got.cpu().float() - want.float()).abs().max().item() <= tol
+    causal = dataclasses.replace(meta, tree_mask=None)
+    zeros = dataclasses.replace(meta, tree_mask=torch.zeros_like(meta.tree_mask))
+    assert torch.equal(ta.paged_attention(query, kv_cache, zeros, dim**-0.5, num_splits=splits),
+                       ta.paged_attention(query, kv_cache, causal, dim**-0.5,
+                                          num_splits=splits))
