@@ -9,10 +9,20 @@
  * L = seq_lens[s] (including its new tokens); its token i (0-based) attends positions
  * [0, L - q_len + i] (causal). Decode is the case q_len = 1 for every sequence (qsl = NULL).
  *
+ * Tree verification (tree_mask, int64 [num_tokens], or NULL = every row causal; the rules are
+ * kernels/attention_metadata.py's): a row with mask 0 is causal; a row i with a nonzero mask
+ * sees the context [0, base) (base = L - q_len) plus base + j for each set bit j (read as
+ * uint64: bit i set, no bit above i, q_len <= 64, else the call fails with QD_EMASK before
+ * anything is touched). Its visible positions are walked in increasing order and chunked
+ * exactly as a causal row over as many positions, so its bits equal those of a causal row
+ * whose context holds the same K/V at contiguous positions (a verified path copied into place
+ * is later seen exactly as verification saw it). Causal rows keep the contiguous walk.
+ *
  * One task per (query token, kv head): the G = num_heads / num_kv_heads query heads sharing
  * that kv head are processed together, so each K/V row is read once per group. A task sees
- * only its own token's visible context ctx = L - q_len + i + 1, so its result is the same
- * bits whatever else is in the step (verifying k+1 tokens == decoding them one at a time).
+ * only its own token's visible context ctx = L - q_len + i + 1 (a tree row's: base + its set
+ * bits), so its result is the same bits whatever else is in the step (verifying k+1 tokens ==
+ * decoding them one at a time).
  * Positions are walked in chunks of QD_CHUNK with an online softmax (running max and sum per
  * head; the accumulator is rescaled once per chunk), so no [ctx] buffer is needed. All math is
  * fp32 (bf16 -> fp32 by shift; q is pre-multiplied by scale), the output is rounded to bf16
@@ -37,7 +47,7 @@
 #define QD_PAR_TASKS 4
 #define QD_PAR_CTX 256
 
-enum { QD_OK = 0, QD_EARG = -1, QD_EBLOCK = -2, QD_ELEN = -3 };
+enum { QD_OK = 0, QD_EARG = -1, QD_EBLOCK = -2, QD_ELEN = -3, QD_EMASK = -4 };
 
 /* ------------------------------------------------------------------------------------------ */
 
@@ -103,6 +113,7 @@ typedef struct {
     const int32_t* block_tables;
     const int32_t* seq_lens;
     const int32_t* qsl;        /* [num_seqs + 1], or NULL: token t is sequence t's only one */
+    const int64_t* tree_mask;  /* [num_tokens] ancestor bits (0: causal row), or NULL */
     uint16_t* out;
     int heads, kv_heads, d, block_size, num_blocks, max_blocks, num_seqs;
     float scale;
@@ -124,10 +135,20 @@ static int seq_of_token(const Args* a, int t) {
 static QD_TARGET int attend_one(const Args* a, int t, int kvh) {
     const int D = a->d, G = a->heads / a->kv_heads, bs = a->block_size;
     const int s = seq_of_token(a, t);
-    /* visible context of token i = t - qsl[s] of a sequence with q_len tokens */
-    const int ctx = a->qsl == NULL ? a->seq_lens[s]
-                                   : a->seq_lens[s] - (a->qsl[s + 1] - t) + 1;
-    if (ctx <= 0 || (long long)ctx > (long long)a->max_blocks * bs) return QD_ELEN;
+    /* visible context of causal token i = t - qsl[s] of a sequence with q_len tokens */
+    const int causal = a->qsl == NULL ? a->seq_lens[s]
+                                      : a->seq_lens[s] - (a->qsl[s + 1] - t) + 1;
+    if (causal <= 0 || (long long)causal > (long long)a->max_blocks * bs) return QD_ELEN;
+    /* a tree row (nonzero mask, checked by prepare) sees [0, ctx0) then ctx0 + j for its set
+     * bits j; positions [0, contig) are walked contiguously */
+    uint64_t bits = 0;
+    int ctx0 = 0;
+    if (a->tree_mask != NULL && a->tree_mask[t] != 0) {
+        bits = (uint64_t)a->tree_mask[t];
+        ctx0 = a->seq_lens[s] - (a->qsl == NULL ? 1 : a->qsl[s + 1] - a->qsl[s]);
+    }
+    const int ctx = bits ? ctx0 + __builtin_popcountll(bits) : causal;
+    const int contig = bits ? ctx0 : ctx;
     const int32_t* table = a->block_tables + (size_t)s * a->max_blocks;
     const size_t row_stride = (size_t)a->kv_heads * D;          /* between positions */
     const size_t head_off = (size_t)kvh * D;
@@ -151,8 +172,9 @@ static QD_TARGET int attend_one(const Args* a, int t, int kvh) {
     size_t base = 0;
     for (int p0 = 0; p0 < ctx; p0 += QD_CHUNK) {
         const int n = ctx - p0 < QD_CHUNK ? ctx - p0 : QD_CHUNK;
-        /* row pointers of this chunk's positions */
-        for (int j = 0; j < n; ++j) {
+        /* row pointers of this chunk's positions: contiguous ones, then a tree row's set bits */
+        const int nc = contig - p0 >= n ? n : (contig > p0 ? contig - p0 : 0);
+        for (int j = 0; j < nc; ++j) {
             if (bo == bs) {
                 const int blk = table[++bi];
                 if (blk < 0 || blk >= a->num_blocks) return QD_EBLOCK;
@@ -160,6 +182,15 @@ static QD_TARGET int attend_one(const Args* a, int t, int kvh) {
                 bo = 0;
             }
             const size_t off = base + (size_t)bo++ * row_stride;
+            krow[j] = a->k + off;
+            vrow[j] = a->v + off;
+        }
+        for (int j = nc; j < n; ++j) {
+            const int p = ctx0 + __builtin_ctzll(bits);
+            bits &= bits - 1;
+            const int blk = table[p / bs];
+            if (blk < 0 || blk >= a->num_blocks) return QD_EBLOCK;
+            const size_t off = ((size_t)blk * bs + (size_t)(p % bs)) * row_stride + head_off;
             krow[j] = a->k + off;
             vrow[j] = a->v + off;
         }
@@ -265,54 +296,72 @@ static QD_TARGET int attend_one(const Args* a, int t, int kvh) {
     return QD_OK;
 }
 
-/* out[num_tokens][heads][d] = causal softmax(scale q K^T) V per (query token, head); see the
- * header. query_start_loc: int32 [num_seqs + 1] (0, nondecreasing, ending at num_tokens), or
- * NULL for decode (num_tokens == num_seqs, one token each). nthreads: the thread count to use
- * when the work is large enough (<= 0: OpenMP's default). Returns 0, or a negative code (bad
- * arguments, block id out of range, bad seq_len / q_len); on an error the output is
- * unspecified. */
-static int ragged_core(const void* q, size_t ldq, const void* kv, const int32_t* block_tables,
-                       const int32_t* seq_lens, const int32_t* query_start_loc, void* out,
-                       int num_seqs, int num_tokens, int heads, int kv_heads, int d,
-                       int block_size, int num_blocks, int max_blocks, float scale,
-                       int nthreads) {
+/* Checks the arguments and the query layout (query_start_loc: int32 [num_seqs + 1], 0,
+ * nondecreasing, ending at num_tokens, or NULL for decode: num_tokens == num_seqs, one token
+ * each) and the tree masks, fills *a and the work in visible positions *total. Returns 0 or
+ * a negative code; touches nothing else. Contexts and block ids are checked per task. */
+static int prepare(Args* a, long long* total, const void* q, size_t ldq, const void* kv,
+                   const int32_t* block_tables, const int32_t* seq_lens,
+                   const int32_t* query_start_loc, const int64_t* tree_mask, void* out,
+                   int num_seqs, int num_tokens, int heads, int kv_heads, int d, int block_size,
+                   int num_blocks, int max_blocks, float scale) {
     if (num_seqs < 0 || num_tokens < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads
         || d <= 0 || d % 8 || block_size <= 0 || num_blocks <= 0 || max_blocks <= 0)
         return QD_EARG;
     const int G = heads / kv_heads;
-    if (G > 64 || G * d > QD_MAX_GD) return QD_EARG;
-    /* work in visible positions; the query layout is checked here, contexts per task */
-    long long total = 0;
+    if (G > 64 || G * d > QD_MAX_GD || ldq < (size_t)heads * d) return QD_EARG;
+    long long work = 0;
     if (query_start_loc == NULL) {
         if (num_tokens != num_seqs) return QD_EARG;
-        for (int s = 0; s < num_seqs; ++s) total += seq_lens[s];
+        for (int s = 0; s < num_seqs; ++s) work += seq_lens[s];
     } else {
         if (query_start_loc[0] != 0 || query_start_loc[num_seqs] != num_tokens) return QD_EARG;
         for (int s = 0; s < num_seqs; ++s) {
             const long long n = (long long)query_start_loc[s + 1] - query_start_loc[s];
             if (n < 0) return QD_EARG;
             if (n > seq_lens[s]) return QD_ELEN;
-            total += n * (seq_lens[s] - n) + n * (n + 1) / 2;
+            work += n * (seq_lens[s] - n) + n * (n + 1) / 2;
+        }
+    }
+    if (tree_mask != NULL) { /* row i of a q_len-row sequence: 0, or bits i and below, i set */
+        for (int s = 0; s < num_seqs; ++s) {
+            const int start = query_start_loc == NULL ? s : query_start_loc[s];
+            const int n = query_start_loc == NULL ? 1 : query_start_loc[s + 1] - start;
+            for (int i = 0; i < n; ++i) {
+                const uint64_t m = (uint64_t)tree_mask[start + i];
+                if (m == 0) continue;
+                if (n > 64 || m >> i != 1) return QD_EMASK;
+                work -= i + 1 - __builtin_popcountll(m); /* hidden sibling branches */
+            }
         }
     }
     const size_t kv_half = (size_t)num_blocks * block_size * kv_heads * d;
-    if (ldq < (size_t)heads * d) return QD_EARG;
-    Args a = {(const uint16_t*)q, ldq, (const uint16_t*)kv, (const uint16_t*)kv + kv_half,
-              block_tables, seq_lens, query_start_loc, (uint16_t*)out, heads, kv_heads, d,
-              block_size, num_blocks, max_blocks, num_seqs, scale};
-    const int tasks = num_tokens * kv_heads;
+    const Args args = {(const uint16_t*)q, ldq, (const uint16_t*)kv,
+                       (const uint16_t*)kv + kv_half, block_tables, seq_lens, query_start_loc,
+                       tree_mask, (uint16_t*)out, heads, kv_heads, d, block_size, num_blocks,
+                       max_blocks, num_seqs, scale};
+    *a = args;
+    *total = work;
+    return QD_OK;
+}
+
+/* Every (token, kv head) task of a prepared call, on nthreads threads (<= 0: OpenMP's
+ * default) when the work is large enough. Returns 0, or a task's negative code (bad block id,
+ * seq_len / q_len); on an error the output is unspecified. */
+static int run_tasks(const Args* a, int num_tokens, long long total, int nthreads) {
+    const int tasks = num_tokens * a->kv_heads;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     if (tasks < QD_PAR_TASKS || total <= QD_PAR_CTX) nthreads = 1;
     if (nthreads > tasks) nthreads = tasks;
     int err = QD_OK;
     if (nthreads <= 1) {
         for (int t = 0; t < tasks && err == QD_OK; ++t)
-            err = attend_one(&a, t / kv_heads, t % kv_heads);
+            err = attend_one(a, t / a->kv_heads, t % a->kv_heads);
         return err;
     }
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int t = 0; t < tasks; ++t) {
-        const int rc = attend_one(&a, t / kv_heads, t % kv_heads);
+        const int rc = attend_one(a, t / a->kv_heads, t % a->kv_heads);
         if (rc != QD_OK) {
 #pragma omp atomic write
             err = rc;
@@ -321,26 +370,37 @@ static int ragged_core(const void* q, size_t ldq, const void* kv, const int32_t*
     return err;
 }
 
+/* out[num_tokens][heads][d] = softmax(scale q K^T) V per (query token, head) over each row's
+ * visible positions (causal, or a tree row's; see the header). query_start_loc as prepare()
+ * says; tree_mask: int64 [num_tokens] or NULL (every row causal). nthreads: the thread count
+ * to use when the work is large enough (<= 0: OpenMP's default). Returns 0, or a negative code
+ * (bad arguments, block id out of range, bad seq_len / q_len, bad tree mask); on an error the
+ * output is unspecified. */
 int qd_ragged_attention_bf16(const void* q, const void* kv, const int32_t* block_tables,
-                             const int32_t* seq_lens, const int32_t* query_start_loc, void* out,
-                             int num_seqs, int num_tokens, int heads, int kv_heads, int d,
-                             int block_size, int num_blocks, int max_blocks, float scale,
-                             int nthreads) {
-    return ragged_core(q, (size_t)heads * d, kv, block_tables, seq_lens, query_start_loc, out,
-                       num_seqs, num_tokens, heads, kv_heads, d, block_size, num_blocks,
-                       max_blocks, scale, nthreads);
+                             const int32_t* seq_lens, const int32_t* query_start_loc,
+                             const int64_t* tree_mask, void* out, int num_seqs, int num_tokens,
+                             int heads, int kv_heads, int d, int block_size, int num_blocks,
+                             int max_blocks, float scale, int nthreads) {
+    Args a;
+    long long total;
+    const int rc = prepare(&a, &total, q, (size_t)heads * d, kv, block_tables, seq_lens,
+                           query_start_loc, tree_mask, out, num_seqs, num_tokens, heads,
+                           kv_heads, d, block_size, num_blocks, max_blocks, scale);
+    return rc != QD_OK ? rc : run_tasks(&a, num_tokens, total, nthreads);
 }
 
 /* The KV write and the attention of one layer in one call. qkv: [num_tokens][ldq] bf16 rows
  * holding q (heads * d), then k and v (kv_heads * d each), RoPE already applied; token t's k
  * and v are stored at cache slot slots[t] (block slot / block_size, offset slot % block_size),
- * then out = qd_ragged_attention_bf16 of the q columns. Every slot is checked before anything
- * is written: a bad one returns QD_EARG with the cache untouched. */
+ * then out = qd_ragged_attention_bf16 of the q columns. Every slot, the query layout and the
+ * tree masks are checked before anything is written: a bad one returns its code with the
+ * cache untouched (block ids are checked by the attention, after the write). */
 int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int32_t* slots, void* kv,
                                const int32_t* block_tables, const int32_t* seq_lens,
-                               const int32_t* query_start_loc, void* out, int num_seqs,
-                               int num_tokens, int heads, int kv_heads, int d, int block_size,
-                               int num_blocks, int max_blocks, float scale, int nthreads) {
+                               const int32_t* query_start_loc, const int64_t* tree_mask,
+                               void* out, int num_seqs, int num_tokens, int heads, int kv_heads,
+                               int d, int block_size, int num_blocks, int max_blocks,
+                               float scale, int nthreads) {
     if (!qkv || !slots || !kv || num_tokens < 0 || heads <= 0 || kv_heads <= 0 || d <= 0
         || block_size <= 0 || num_blocks <= 0
         || (long long)ldq < (long long)(heads + 2 * kv_heads) * d)
@@ -348,6 +408,12 @@ int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int32_t* slots, v
     const long long num_slots = (long long)num_blocks * block_size;
     for (int t = 0; t < num_tokens; ++t)
         if (slots[t] < 0 || slots[t] >= num_slots) return QD_EARG;
+    Args a;
+    long long total;
+    const int rc = prepare(&a, &total, qkv, (size_t)ldq, kv, block_tables, seq_lens,
+                           query_start_loc, tree_mask, out, num_seqs, num_tokens, heads,
+                           kv_heads, d, block_size, num_blocks, max_blocks, scale);
+    if (rc != QD_OK) return rc;
     const size_t row = (size_t)kv_heads * d, kv_half = (size_t)num_slots * row;
     uint16_t* kc = (uint16_t*)kv;
     for (int t = 0; t < num_tokens; ++t) {
@@ -355,17 +421,16 @@ int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int32_t* slots, v
         memcpy(kc + (size_t)slots[t] * row, src, row * sizeof(uint16_t));
         memcpy(kc + kv_half + (size_t)slots[t] * row, src + row, row * sizeof(uint16_t));
     }
-    return ragged_core(qkv, (size_t)ldq, kv, block_tables, seq_lens, query_start_loc, out,
-                       num_seqs, num_tokens, heads, kv_heads, d, block_size, num_blocks,
-                       max_blocks, scale, nthreads);
+    return run_tasks(&a, num_tokens, total, nthreads);
 }
 
-/* Decode (one query token per sequence): the q_len = 1 case of qd_ragged_attention_bf16. */
+/* Decode (one query token per sequence, all causal): the q_len = 1 case of
+ * qd_ragged_attention_bf16 (a tree mask could only be 0 or 1 there, both causal). */
 int qd_decode_attention_bf16(const void* q, const void* kv, const int32_t* block_tables,
                              const int32_t* seq_lens, void* out, int num_seqs, int heads,
                              int kv_heads, int d, int block_size, int num_blocks, int max_blocks,
                              float scale, int nthreads) {
-    return qd_ragged_attention_bf16(q, kv, block_tables, seq_lens, NULL, out, num_seqs, num_seqs,
-                                    heads, kv_heads, d, block_size, num_blocks, max_blocks,
-                                    scale, nthreads);
+    return qd_ragged_attention_bf16(q, kv, block_tables, seq_lens, NULL, NULL, out, num_seqs,
+                                    num_seqs, heads, kv_heads, d, block_size, num_blocks,
+                                    max_blocks, scale, nthreads);
 }

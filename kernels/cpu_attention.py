@@ -16,6 +16,15 @@ so in bf16 verifying k+1 tokens gives bit-identical results to decoding them one
 (and a token's result never depends on the rest of the batch or the thread count).
 :func:`decode_attention` is its one-token-per-sequence case.
 
+Tree verification: ``tree_mask`` (int64 ``[num_tokens]``, the rows' ancestor bitmasks as
+:mod:`kernels.attention_metadata` defines them; None = every row causal) lets a row with a
+nonzero mask see its sequence's context before the new tokens plus only the new rows whose
+bits it has. Its visible positions are walked in increasing order and chunked as a causal
+row over as many positions would be, so a tree row's result is bit-identical to that of a
+causal row whose context holds the same K/V at contiguous positions: once the accepted path's
+K/V is copied into place, later decode steps see exactly what verification saw (lossless bf16
+speculation). Rows with mask 0, or no mask at all, take the unchanged causal code.
+
 Cache layout as in :mod:`kernels.attention_metadata`:
 ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V); position
 ``p`` of sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
@@ -25,8 +34,9 @@ The entry points are called once per layer per step, so they check only what is 
 (dtypes, ``is_cpu``, contiguity, ranks and shapes); anything else returns None. The C
 side also checks block ids against ``num_blocks``, the query layout (``query_start_loc``
 starts at 0, never decreases, ends at ``num_tokens``) and ``q_len <= seq_lens[s] <=
-max_blocks * block_size`` with a nonempty visible context; a violation returns
-None too (the torch path then raises, or returns NaN for an empty context).
+max_blocks * block_size`` with a nonempty visible context, and every nonzero tree mask (bit
+``i`` set for row ``i``, no higher bit, ``q_len <= 64``); a violation returns None too (the
+torch path then raises, or returns NaN for an empty context).
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ _CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 _CPU_FLAGS = frozenset({"avx2", "fma"})
 _BF16 = torch.bfloat16
 _I32 = torch.int32
+_I64 = torch.int64
 # The C side takes at most this many (query heads per kv head) * head_dim, 64 heads per group.
 _MAX_GD = 8192
 _MAX_GROUP = 64
@@ -78,10 +89,10 @@ def _lib() -> _Lib | None:
     if lib is None:
         return None
     fn = lib.qd_ragged_attention_bf16
-    fn.argtypes = [_vp] * 6 + [_int] * 8 + [ctypes.c_float, _int]
+    fn.argtypes = [_vp] * 7 + [_int] * 8 + [ctypes.c_float, _int]
     fn.restype = _int
     both = lib.qd_write_kv_attention_bf16
-    both.argtypes = [_vp, _int, *[_vp] * 6, *[_int] * 8, ctypes.c_float, _int]
+    both.argtypes = [_vp, _int, *[_vp] * 7, *[_int] * 8, ctypes.c_float, _int]
     both.restype = _int
     return _Lib(fn, both, lib)
 
@@ -104,6 +115,15 @@ def native_entry_points() -> dict[str, int] | None:
     return {"write_attend": ctypes.cast(fn, ctypes.c_void_p).value or 0}
 
 
+def _mask_ptr(tree_mask: torch.Tensor, num_tokens: int) -> int | None:
+    """The C pointer of ``tree_mask``, or None when the kernel does not take it (not a CPU
+    contiguous int64 ``[num_tokens]`` vector). Its bits are checked on the C side."""
+    if (tree_mask.dtype is not _I64 or not tree_mask.is_cpu or not tree_mask.is_contiguous()
+            or tree_mask.shape != (num_tokens,)):
+        return None
+    return tree_mask.data_ptr()
+
+
 def _run(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -111,6 +131,7 @@ def _run(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor | None,
     scale: float,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The C call (``query_start_loc`` None: one token per sequence), or None when the inputs
     are not the kernel's (the caller then runs the torch path)."""
@@ -140,10 +161,13 @@ def _run(
         return None
     else:
         qsl_ptr = query_start_loc.data_ptr()
+    mask_ptr = None
+    if tree_mask is not None and (mask_ptr := _mask_ptr(tree_mask, num_tokens)) is None:
+        return None
     out = torch.empty_like(query)
     rc = lib.ragged(query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
-                    seq_lens.data_ptr(), qsl_ptr, out.data_ptr(), num_seqs, num_tokens, heads,
-                    kv_heads, dim, block_size, num_blocks, max_blocks, scale,
+                    seq_lens.data_ptr(), qsl_ptr, mask_ptr, out.data_ptr(), num_seqs,
+                    num_tokens, heads, kv_heads, dim, block_size, num_blocks, max_blocks, scale,
                     torch.get_num_threads() if num_tokens * kv_heads >= 4 else 1)
     return out if rc == 0 else None
 
@@ -155,14 +179,17 @@ def ragged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, offsets of each sequence's tokens
     scale: float,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens] int64 ancestor bits; None: causal
 ) -> torch.Tensor | None:  # [num_tokens, num_heads, head_dim] bf16
     """Token ``i`` of sequence ``s`` (rows ``query_start_loc[s] .. query_start_loc[s+1] - 1``,
     ``q_len`` of them) and head ``h`` (kv head ``h // (heads // kv_heads)``) get
-    ``softmax(scale * q K^T) V`` over positions ``[0, seq_lens[s] - q_len + i]`` in fp32,
-    returned in bf16, in one C call (the new tokens' K/V already in the cache). All tensors
-    CPU and contiguous, query/kv_cache bf16, block_tables, seq_lens and query_start_loc
-    int32, ``head_dim % 8 == 0``; otherwise None (the caller runs the torch path)."""
-    return _run(query, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+    ``softmax(scale * q K^T) V`` over positions ``[0, seq_lens[s] - q_len + i]`` (or, where
+    ``tree_mask[t]`` is nonzero, over ``[0, seq_lens[s] - q_len)`` and the new rows ``j``
+    whose bit it sets) in fp32, returned in bf16, in one C call (the new tokens' K/V already
+    in the cache). All tensors CPU and contiguous, query/kv_cache bf16, block_tables,
+    seq_lens and query_start_loc int32, tree_mask int64, ``head_dim % 8 == 0``; otherwise,
+    or for a malformed mask, None (the caller runs the torch path)."""
+    return _run(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, tree_mask)
 
 
 def decode_attention(
@@ -187,11 +214,13 @@ def write_kv_and_attend(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens] int64 ancestor bits; None: causal
 ) -> torch.Tensor | None:  # [num_tokens, heads, head_dim] bf16
     """A layer's KV write (the k and v columns of ``qkv`` into their slots) and
-    :func:`ragged_attention` of its q columns, in one C call with no copies; bit-equal to
-    ``torch_attention.write_kv`` then :func:`ragged_attention`. None (nothing written)
-    when the inputs are not the kernel's: the caller then runs those two."""
+    :func:`ragged_attention` of its q columns (``tree_mask`` as there), in one C call with
+    no copies; bit-equal to ``torch_attention.write_kv`` then :func:`ragged_attention`. None
+    when the inputs are not the kernel's (nothing written; a bad slot, query layout or tree
+    mask included): the caller then runs those two."""
     lib = _lib()
     if (lib is None or qkv.dtype is not _BF16 or kv_cache.dtype is not _BF16
             or not (qkv.is_cpu and kv_cache.is_cpu) or qkv.dim() != 2 or qkv.stride(1) != 1
@@ -210,10 +239,14 @@ def write_kv_and_attend(
             or slot_mapping.shape != (num_tokens,) or seq_lens.shape != (num_seqs,)
             or query_start_loc.shape != (num_seqs + 1,)):
         return None
+    mask_ptr = None
+    if tree_mask is not None and (mask_ptr := _mask_ptr(tree_mask, num_tokens)) is None:
+        return None
     out = torch.empty(num_tokens, heads, dim, dtype=_BF16)
     rc = lib.write_attend(qkv.data_ptr(), qkv.stride(0), slot_mapping.data_ptr(),
                           kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-                          query_start_loc.data_ptr(), out.data_ptr(), num_seqs, num_tokens,
-                          heads, kv_heads, dim, block_size, num_blocks, max_blocks, scale,
+                          query_start_loc.data_ptr(), mask_ptr, out.data_ptr(), num_seqs,
+                          num_tokens, heads, kv_heads, dim, block_size, num_blocks, max_blocks,
+                          scale,
                           torch.get_num_threads() if num_tokens * kv_heads >= 4 else 1)
     return out if rc == 0 else None

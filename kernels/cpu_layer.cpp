@@ -33,8 +33,8 @@ using RmsFn = int (*)(const void*, const void*, const void*, void*, void*, int, 
 using RopeFn = int (*)(void*, const void*, const void*, int, int, int, long long, long long, int);
 using SiluFn = int (*)(const void*, void*, int, int, int, int);
 using AttendFn = int (*)(const void*, int, const int32_t*, void*, const int32_t*,
-                         const int32_t*, const int32_t*, void*, int, int, int, int, int, int,
-                         int, int, float, int);
+                         const int32_t*, const int32_t*, const int64_t*, void*, int, int, int,
+                         int, int, int, int, int, float, int);
 
 RmsFn rms_fn = nullptr;
 RopeFn rope_fn = nullptr;
@@ -84,6 +84,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tens
 // weights: ln1, qkv_packed, qkv_sz, o_packed, o_sz, ln2, gate_up_packed, gate_up_sz,
 //          down_packed, down_sz[, qkv_bias]
 // meta: slot_mapping, block_tables, seq_lens, query_start_loc (int32, the step's metadata)
+//       [, tree_mask (int64 [T], the rows' ancestor bits; empty: every row causal)]
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
         const at::Tensor& x, const std::optional<at::Tensor>& residual_opt,
         at::TensorList weights, const at::Tensor& cos, const at::Tensor& sin,
@@ -91,7 +92,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
         double eps, double scale) {
     check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
     check(weights.size() == 10 || weights.size() == 11, "expected 10 or 11 weights");
-    check(meta.size() == 4, "expected 4 metadata tensors");
+    check(meta.size() == 4 || meta.size() == 5, "expected 4 or 5 metadata tensors");
     check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
           "x must be a contiguous bf16 [rows, hidden] matrix");
     const at::Tensor residual = residual_opt.has_value() ? *residual_opt : at::Tensor();
@@ -119,15 +120,23 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& tables = meta[1];
     const at::Tensor& lens = meta[2];
     const at::Tensor& qsl = meta[3];
+    const int64_t* tree_mask = nullptr;
+    if (meta.size() == 5 && meta[4].numel() > 0) {
+        check(meta[4].scalar_type() == at::kLong && meta[4].is_cpu()
+                  && meta[4].is_contiguous() && meta[4].numel() == rows,
+              "tree_mask must be a contiguous int64 [rows] vector");
+        tree_mask = meta[4].data_ptr<int64_t>();
+    }
     at::Tensor attn = bf16_empty(rows, heads * d);
     rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
                    kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                   qsl.data_ptr<int32_t>(), attn.data_ptr(), static_cast<int>(lens.size(0)),
-                   static_cast<int>(rows), static_cast<int>(heads), static_cast<int>(kv_heads),
+                   qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
+                   static_cast<int>(lens.size(0)), static_cast<int>(rows),
+                   static_cast<int>(heads), static_cast<int>(kv_heads),
                    static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
                    static_cast<int>(kv_cache.size(1)), static_cast<int>(tables.size(1)),
                    static_cast<float>(scale), rows * kv_heads >= 4 ? threads : 1);
-    check(rc == 0, "attention kernel rejected the step (bad slot, block id or layout)");
+    check(rc == 0, "attention kernel rejected the step (bad slot, block id, layout or mask)");
 
     at::Tensor o = int4_mm(attn, weights[3], weights[4]);
     auto [h2, r2] = add_rms_norm(o, r, weights[5], eps, small_threads);

@@ -33,6 +33,7 @@ from quickdraft.kernels.attention_metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_layer.cpp")
+_NO_MASK = torch.empty(0, dtype=torch.int64)
 
 
 def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -102,10 +103,14 @@ def decoder_layer(x: torch.Tensor,  # [T, hidden] bf16: the previous sub-layer's
                   meta: AttentionMetadata, heads: int, kv_heads: int, eps: float,
                   scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(mlp output, residual)`` of the layer, as the Python layer returns them; None when
-    the native side declines (a step the attention kernel rejects: nothing was written)."""
+    the native side declines (a step the attention kernel rejects: a bad slot, query layout
+    or tree mask, nothing written). ``meta.tree_mask`` goes to the kernel as it is."""
     tensors = meta.plans.get("cpu_layer")
     if tensors is None:  # once per step, shared by the layers
-        tensors = [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc]
+        # the op's 5th metadata tensor: int64 [T] ancestor bits, or empty (every row causal)
+        mask = _NO_MASK if meta.tree_mask is None else meta.tree_mask
+        tensors = [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                   mask]
         meta.plans["cpu_layer"] = tensors
     try:
         out: tuple[torch.Tensor, torch.Tensor] = torch.ops.quickdraft_cpu.decoder_layer(

@@ -4,7 +4,9 @@ kernel for bf16 on a CPU.
 One call serves a whole step (:class:`kernels.attention_metadata.AttentionMetadata`, the
 layout and slot rule are there): every sequence brings its own number of new query tokens
 (a prefill chunk, one decode token, or k+1 verification tokens) and attends, causally within
-those new tokens, to everything cached before them plus themselves.
+those new tokens, to everything cached before them plus themselves. With a ``meta.tree_mask``
+(tree verification), a row with a nonzero mask sees the context before the new tokens plus
+only the new rows whose bits it sets (its ancestors and itself), on every path below.
 
 Every bf16 step on the CPU goes to the C kernel (:mod:`kernels.cpu_attention`; prefill,
 verification and decode rows alike), which computes each token exactly as a lone decode
@@ -12,7 +14,10 @@ query: a token's result never depends on its batch, and that step never plans gr
 torch path serves fp32 (the HF-exact oracle) and the rest: its per-step work (which tokens
 attend to which slots, the masks) is planned once per step, on first use, by
 :func:`plan_attention` on the host, and reused by every layer; each layer then does one
-gather of K/V and one ``scaled_dot_product_attention`` per group of sequences.
+gather of K/V and one ``scaled_dot_product_attention`` per group of sequences. A sequence
+with tree rows is planned like any other; only its rows of the group's boolean mask change
+(read from the mask's host copy, once per step), so a step without a tree mask plans exactly
+as before.
 """
 
 from __future__ import annotations
@@ -58,21 +63,44 @@ def _context_slots(block_table: torch.Tensor, ctx: int, block_size: int) -> torc
     return torch.from_numpy(slots)
 
 
+def _tree_visibility(masks: list[int] | None, start: int, q_len: int,
+                     ctx: int) -> torch.Tensor | None:  # [q_len, ctx] bool, True = attend
+    """Which positions each of a sequence's rows sees when some row carries a nonzero tree
+    mask (rows with 0 stay causal); None when none does. Raises ValueError for masks that
+    break the rules of :mod:`kernels.attention_metadata`."""
+    if masks is None or q_len <= 1 or not any(masks[start:start + q_len]):
+        return None  # a lone row's only valid masks, 0 and 1, are both causal
+    if q_len > 64:
+        raise ValueError(f"tree mask on a sequence of {q_len} > 64 new tokens")
+    bits = np.array(masks[start:start + q_len], dtype=np.int64).view(np.uint64)  # [q]
+    rows = np.arange(q_len, dtype=np.uint64)
+    if np.any((bits != 0) & (bits >> rows != 1)):
+        raise ValueError(f"bad tree mask {[hex(int(b)) for b in bits]}")
+    causal = rows[None, :] <= rows[:, None]  # [q, q]
+    new = np.where(bits[:, None] == 0, causal, (bits[:, None] >> rows[None, :]) & 1 == 1)
+    vis = torch.ones(q_len, ctx, dtype=torch.bool)
+    vis[:, ctx - q_len:] = torch.from_numpy(new)
+    return vis
+
+
 def _plan_single(seq: int, meta_args: tuple, block_tables: torch.Tensor) -> AttentionGroup:
-    query_start_loc, seq_lens, block_size = meta_args
+    query_start_loc, seq_lens, block_size, masks = meta_args
     start, end = query_start_loc[seq], query_start_loc[seq + 1]
     q_len, ctx = end - start, seq_lens[seq]
     slots = _context_slots(block_tables[seq], ctx, block_size)[None]  # [1, ctx]
-    fresh = ctx == q_len
+    tree = _tree_visibility(masks, start, q_len, ctx)  # [q, ctx] or None
+    fresh = ctx == q_len and tree is None
     mask = None
-    if q_len > 1:
+    if tree is not None:
+        mask = tree[None, None]  # [1, 1, q, ctx]
+    elif q_len > 1:
         q_pos = torch.arange(ctx - q_len, ctx)[:, None]  # [q, 1]
         mask = (torch.arange(ctx)[None, :] <= q_pos)[None, None]  # [1, 1, q, ctx]
     return AttentionGroup(None, start, None, slots, mask, fresh and q_len > 1, 1, q_len)
 
 
 def _plan_padded(seqs: list[int], meta_args: tuple, block_tables: torch.Tensor) -> AttentionGroup:
-    query_start_loc, seq_lens, block_size = meta_args
+    query_start_loc, seq_lens, block_size, masks = meta_args
     starts = [query_start_loc[s] for s in seqs]
     q_lens = [query_start_loc[s + 1] - query_start_loc[s] for s in seqs]
     ctxs = [seq_lens[s] for s in seqs]
@@ -94,6 +122,10 @@ def _plan_padded(seqs: list[int], meta_args: tuple, block_tables: torch.Tensor) 
         q_pos = torch.tensor(ctxs)[:, None] - q_len_t + q_off  # [b, max_q]
         mask = torch.arange(max_ctx)[None, None, :] <= q_pos[:, :, None]  # [b, max_q, ctx]
         mask = (mask | ~real[:, :, None])[:, None]  # padded queries attend (and are dropped)
+        for i in range(b):  # tree sequences: their rows see their ancestors only
+            tree = _tree_visibility(masks, starts[i], q_lens[i], ctxs[i])  # [q, ctx] or None
+            if tree is not None:
+                mask[i, 0, : q_lens[i], : ctxs[i]] = tree
     if contiguous:
         return AttentionGroup(None, starts[0], None, kv_slots, mask, False, b, max_q)
     valid = real.reshape(-1).nonzero().squeeze(1)
@@ -103,10 +135,11 @@ def _plan_padded(seqs: list[int], meta_args: tuple, block_tables: torch.Tensor) 
 
 def plan_attention(meta: AttentionMetadata) -> tuple[AttentionGroup, ...]:
     """Group the step's sequences, on the host: short queries padded together, long ones
-    alone."""
+    alone; tree rows (``meta.tree_mask``) get their ancestor masks."""
     query_start_loc, seq_lens = meta.host_query_start_loc(), meta.host_seq_lens()
     block_tables = meta.host_block_tables()
-    args = (query_start_loc, seq_lens, meta.block_size)
+    masks = None if meta.tree_mask is None else meta.tree_mask.cpu().tolist()
+    args = (query_start_loc, seq_lens, meta.block_size, masks)
     num_seqs = len(seq_lens)
     small = [s for s in range(num_seqs)
              if query_start_loc[s + 1] - query_start_loc[s] <= SMALL_QUERY_MAX]
@@ -209,7 +242,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of each sequence's new tokens over its cached context (their K/V written)."""
+    """Attention of each sequence's new tokens over its cached context (their K/V written),
+    tree rows (``meta.tree_mask``) over the context before the new tokens and their
+    ancestors."""
     if query.dtype == torch.bfloat16 and query.device.type == "cpu":
         # Every bf16 row on CPU, prefill included: the kernel computes each (token, kv head)
         # like a lone decode query, so a token's result never depends on its batch or on how
@@ -218,7 +253,8 @@ def paged_attention(
         # AVX512-BF16). None: the kernel declined (not built, or shapes it does not take).
         # query is a strided view into the fused qkv output: the kernel wants it packed
         out = cpu_attention.ragged_attention(query.contiguous(), kv_cache, meta.block_tables,
-                                             meta.seq_lens, meta.query_start_loc, scale)
+                                             meta.seq_lens, meta.query_start_loc, scale,
+                                             meta.tree_mask)
         if out is not None:
             return out
     kv_flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, kv_heads, head_dim]
@@ -251,4 +287,4 @@ def write_kv_and_attend(
         return None
     return cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, kv_cache, meta.slot_mapping,
                                              meta.block_tables, meta.seq_lens,
-                                             meta.query_start_loc, scale)
+                                             meta.query_start_loc, scale, meta.tree_mask)

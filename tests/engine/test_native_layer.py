@@ -1,7 +1,8 @@
 """kernels.cpu_layer: a whole decoder layer in one native call gives bit-identical hidden
 states and KV caches to the Python layer (bf16, int4 weights), on mixed steps of prefill
 chunks, decodes and verification rows, with and without a qkv bias; a step the kernel
-rejects falls back to the Python layer."""
+rejects falls back to the Python layer. Tree verification: the step's tree mask reaches the
+native attention (same bits as the Python layer), and a malformed one declines."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from quickdraft.kernels import cpu_gemv, cpu_int4, cpu_layer, torch_attention
 from quickdraft.kernels.attention_metadata import build_metadata
 
@@ -48,23 +49,46 @@ def _model(qwen: bool) -> LlamaForCausalLM:
 # verification and a second prefill chunk in one step
 STEPS = [[("a", 9, 0), ("b", 5, 0)], [("a", 1, 9), ("b", 3, 5), ("c", 7, 0)],
          [("c", 6, 7), ("a", 1, 10)]]
-TABLES = {"a": [3, 0, 7, 12], "b": [5, 9, 1], "c": [2, 20, 4, 11]}
+TABLES = {"a": [3, 0, 7, 12], "b": [5, 9, 1], "c": [2, 20, 4, 11], "d": [6, 8, 10, 13]}
+# then a prefill of "d" and a step verifying a 6-node draft tree on it beside a decode of "a"
+TREE_PARENTS = [-1, 0, 0, 1, 2, 3]  # rows 0-1-3-5 and 0-2-4: two branches
+TREE_STEPS = [*STEPS, [("d", 10, 0)], [("d", 6, 10), ("a", 1, 11)]]
 
 
-def _run(model: LlamaForCausalLM, native: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _tree_rows(parents: list[int]) -> tuple[list[int], list[int]]:
+    """(ancestor masks, depths) of a tree given in flat order."""
+    masks, depths = [], []
+    for i, p in enumerate(parents):
+        masks.append((masks[p] if p >= 0 else 0) | 1 << i)
+        depths.append(depths[p] + 1 if p >= 0 else 0)
+    return masks, depths
+
+
+def _run(model: LlamaForCausalLM, native: bool, steps: list | None = None,
+         tree: list[int] | None = None,
+         use_mask: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Hidden states of ``steps`` (default STEPS); with ``tree`` (parents), the last step's
+    "d" rows are that tree (masks unless not ``use_mask``, RoPE at base + depth)."""
     model.use_native_layers(native)
     assert all((layer.native is not None) == native for layer in model.layers)
     caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
     outs, gen = [], torch.Generator().manual_seed(2)
+    steps = STEPS if steps is None else steps
     with torch.inference_mode():
-        for step in STEPS:
-            qsl, lens, tables, positions = [0], [], [], []
+        for k, step in enumerate(steps):
+            qsl, lens, tables, positions, masks = [0], [], [], [], []
             for seq, n, start in step:
                 qsl.append(qsl[-1] + n)
                 lens.append(start + n)
                 tables.append(TABLES[seq])
-                positions += range(start, start + n)
-            meta = build_metadata(qsl, lens, tables, BLOCK)
+                if tree is not None and seq == "d" and k == len(steps) - 1:
+                    rows, depths = _tree_rows(tree)
+                    masks += rows if use_mask else [0] * n
+                    positions += [start + d for d in depths]
+                else:
+                    masks += [0] * n
+                    positions += range(start, start + n)
+            meta = build_metadata(qsl, lens, tables, BLOCK, tree_mask=masks)
             ids = torch.randint(0, 96, (qsl[-1],), generator=gen)
             outs.append(model(ids, torch.tensor(positions), caches, meta))
     return outs, caches
@@ -80,6 +104,45 @@ def test_native_layers_equal_python_layers_bit_for_bit(qwen: bool) -> None:
         assert torch.equal(g, w)
     for g, w in zip(got_caches, want_caches, strict=True):
         assert torch.equal(g, w)
+
+
+def test_tree_step_native_equals_python_and_honours_the_mask() -> None:
+    model = _model(False)
+    want, want_caches = _run(model, native=False, steps=TREE_STEPS, tree=TREE_PARENTS)
+    got, got_caches = _run(model, native=True, steps=TREE_STEPS, tree=TREE_PARENTS)
+    for g, w in zip([*got, *got_caches], [*want, *want_caches], strict=True):
+        assert torch.equal(g, w)
+    # the mask matters: row 2 (a child of the root) sees row 1 when the rows are causal
+    causal, _ = _run(model, native=True, steps=TREE_STEPS, tree=TREE_PARENTS, use_mask=False)
+    assert not torch.equal(causal[-1][2], got[-1][2])
+    assert torch.equal(causal[-1][:2], got[-1][:2])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_tree_rows_equal_their_path_fed_as_a_chain(native: bool) -> None:
+    """Lossless tree verification through whole layers: each root-to-leaf path's rows of the
+    tree step give the bits of a causal step feeding only that path over the same prefix
+    (the K/V a verified path leaves are what later steps see). Also relies on the int4
+    matmul computing each row alone, as ATen's CPU kernel does."""
+    model = _model(False)
+    model.use_native_layers(native)
+    masks, depths = _tree_rows(TREE_PARENTS)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 96, (10,), generator=gen)
+    drafts = torch.randint(0, 96, (6,), generator=gen)
+    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
+    table = [TABLES["d"]]
+    with torch.inference_mode():
+        model(prompt, torch.arange(10), caches, build_metadata([0, 10], [10], table, BLOCK))
+        prefix = [c.clone() for c in caches]
+        meta = build_metadata([0, 6], [16], table, BLOCK, tree_mask=masks)
+        tree = model(drafts, torch.tensor([10 + d for d in depths]), caches, meta)
+        for path in ([0, 1, 3, 5], [0, 2, 4]):
+            n, kv = len(path), [c.clone() for c in prefix]
+            meta = build_metadata([0, n], [10 + n], table, BLOCK)
+            chain = model(drafts[path], torch.arange(10, 10 + n), kv, meta)
+            for m, r in enumerate(path):
+                assert torch.equal(tree[r], chain[m]), (path, m)
 
 
 def test_layers_without_int4_weights_stay_python() -> None:
@@ -103,3 +166,20 @@ def test_a_rejected_step_declines_and_writes_nothing() -> None:
         out = cpu_layer.decoder_layer(x, None, layer.native, cos_sin, kv, meta, attn.heads,
                                       attn.kv_heads, layer.input_layernorm.eps, attn.scale)
     assert out is None and not kv.any()
+
+
+def test_a_malformed_tree_mask_declines_and_writes_nothing() -> None:
+    model = _model(False)
+    layer = model.layers[0]
+    assert isinstance(layer, DecoderLayer) and layer.native is not None
+    attn = layer.self_attn
+    kv = torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.bfloat16)
+    x = torch.randn(3, 64).bfloat16()
+    cos_sin = model.rotary.cos_sin(torch.tensor([4, 5, 5]))
+    for masks in ([1, 0b101, 0b101], [1, 0b11, 0b011]):  # a bit above row 1; no own bit
+        meta = build_metadata([0, 3], [7], [[3, 5]], BLOCK, tree_mask=masks)
+        with torch.inference_mode():
+            out = cpu_layer.decoder_layer(x, None, layer.native, cos_sin, kv, meta, attn.heads,
+                                          attn.kv_heads, layer.input_layernorm.eps,
+                                          attn.scale)
+        assert out is None and not kv.any()

@@ -323,8 +323,8 @@ def test_ragged_bad_layout_is_rejected_by_the_kernel(bad: str) -> None:
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
     """The one-call KV write + attention over a qkv matrix (prefill, verification and decode
-    rows mixed) is bit-equal to write_kv then ragged_attention, and a bad slot declines the
-    call with the cache untouched."""
+    rows mixed) is bit-equal to write_kv then ragged_attention, and a bad slot or query
+    layout declines the call with the cache untouched."""
     heads, kv_heads, dim = 9, 3, 64
     seq_lens = [40, 70, 9]
     q_lens = [40, 5, 1]  # a fresh prefill, a verification of 4 drafts, a decode
@@ -356,4 +356,9 @@ def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
     untouched = kv.clone()
     assert cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, untouched, bad,
                                              block_tables, lens, qsl_t, 0.125) is None
+    assert torch.equal(untouched, kv)
+    bad_qsl = qsl_t.clone()
+    bad_qsl[-1] -= 1  # does not end at num_tokens
+    assert cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, untouched, slots,
+                                             block_tables, lens, bad_qsl, 0.125) is None
     assert torch.equal(untouched, kv)
