@@ -209,6 +209,9 @@ class AsyncLLM:
             "spec_accepted_per_position": list(spec.accepted_per_position),
             "spec_drafted_per_position": list(spec.drafted_per_position),
             "spec_proposer_seconds": spec.proposer_seconds,
+            "spec_num_tree_steps": spec.num_tree_steps,
+            "spec_num_tree_nodes": spec.num_tree_nodes,
+            "spec_by_source": {k: list(v) for k, v in spec.by_source.items()},
             **self._suffix_stats(),
         }
 

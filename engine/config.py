@@ -50,10 +50,11 @@ class EngineConfig:
     # Capture decode/verification steps as CUDA graphs (only on CUDA with the triton backend).
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = 256  # largest captured step, in tokens (bucketed below it)
-    # off | ngram | suffix | recycling | draft | combined (draft and combined need
-    # draft_model). On by default (suffix; n-gram where its trie cannot be built; token
-    # recycling where neither matches): the adaptive policy turns drafts down wherever they
-    # would not pay for themselves.
+    # off | ngram | suffix | recycling | draft | combined (draft needs draft_model; combined
+    # merges every model-free proposal into one tree, and asks the draft model, when there
+    # is one, only where none found anything). On by default (suffix; n-gram where its trie
+    # cannot be built; a token-recycling tree where neither matches): the adaptive policy
+    # turns drafts down wherever they would not pay for themselves.
     speculation: str = "suffix"
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2
@@ -109,7 +110,7 @@ class EngineConfig:
         if self.speculation not in SPECULATION_METHODS:
             raise ConfigError(f"speculation must be one of {list(SPECULATION_METHODS)}, "
                               f"got {self.speculation!r}")
-        if self.speculation in ("draft", "combined") and self.draft_model is None:
+        if self.speculation == "draft" and self.draft_model is None:
             raise ConfigError(f"speculation {self.speculation!r} needs a draft_model")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("num_speculative_tokens must be in [1, 16]")

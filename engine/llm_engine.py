@@ -165,7 +165,7 @@ class LLMEngine:
 
     def _validate_speculation(self, speculation: SpeculationParams | None) -> None:
         method = speculation.method if speculation else None
-        if method in ("draft", "combined") and self.draft is None:
+        if method == "draft" and self.draft is None:
             raise InvalidRequestError("speculation.method",
                                       f"{method!r} needs a draft model; this server has none")
         if speculation and speculation.k is not None \

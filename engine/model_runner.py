@@ -28,6 +28,8 @@ from quickdraft.engine.sampler import SamplingBatch, sample
 from quickdraft.engine.scheduler import ScheduledRequest, SchedulerOutput
 from quickdraft.engine.step_plan import StepPlan, plan_step
 from quickdraft.kernels import cpu_gemv
+from quickdraft.spec.token_tree import TokenTree
+from quickdraft.spec.tree_verification import verify_trees
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +139,7 @@ class ModelRunner:
     def forward_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits at the rows to sample: ``[num_sample_rows, vocab]`` float32, on the device.
         Decode/verification steps replay a CUDA graph when one fits."""
-        if self.graphs is not None and self.graphs.eligible(
+        if self.graphs is not None and plan.tree_mask is None and self.graphs.eligible(
                 len(plan.input_ids), len(plan.seq_lens), plan.max_query_len,
                 plan.all_rows_sampled):
             hidden = self.graphs.run(plan)
@@ -170,7 +172,9 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in reqs],
             default_generator=self.default_generator,
         )
-        tokens, logprobs = self._sample(logits, reqs, batch)
+        tokens, logprobs, paths = self._sample(logits, reqs, batch)
+        if paths is not None:
+            self._move_accepted_kv(reqs, paths)
         logprob_rows: list[list[float]] | None = None
         if logprobs is not None:
             logprob_rows = [[] for _ in sched.requests]
@@ -182,27 +186,61 @@ class ModelRunner:
         return RunnerOutput(sampled, logprob_rows, num_accepted)
 
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest], batch: SamplingBatch,
-                ) -> tuple[list[list[int]], list[list[float]] | None]:
-        """Plain sampling, or lossless verification when any request carries drafts.
+                ) -> tuple[list[list[int]], list[list[float]] | None, list[list[int]] | None]:
+        """Plain sampling, or lossless verification when any request carries drafts; the
+        third item: per request, the accepted tree nodes when the step verified trees.
 
         On a GPU, greedy steps (and verification with the Triton kernel) stay on the device;
         sampled or penalised plain steps and torch-path verification copy the logits to the
         host, where the requests' generators live (see docs/kernels.md)."""
         on_host = logits.device.type == "cpu"
+        if any(r.draft_parents is not None for r in reqs):
+            # trees carry one-hot drafts (the speculator keeps draft-model chains with
+            # distributions out of tree steps); chains and plain rows are trees too
+            assert all(r.draft_probs is None or r.sampling_params.greedy for r in reqs)
+            trees = [TokenTree(tuple(r.token_ids[r.num_tokens - r.num_draft_tokens:]),
+                               r.draft_parents if r.draft_parents is not None
+                               else tuple(range(-1, r.num_draft_tokens - 1))) for r in reqs]
+            tree_out = verify_trees(logits if on_host else logits.cpu(), trees, batch)
+            return tree_out.token_ids, tree_out.logprobs, tree_out.accepted_nodes
         if any(r.num_draft_tokens for r in reqs):
             drafts = [r.token_ids[len(r.token_ids) - r.num_draft_tokens:] for r in reqs]
             if not on_host and self.backend.name != "triton":
                 logits = logits.cpu()
             probs = _draft_probs(reqs, logits.shape[1], logits.device)
             verified = self.backend.rejection_sample(logits, drafts, probs, batch)
-            return verified.token_ids, verified.logprobs
+            return verified.token_ids, verified.logprobs, None
         if not on_host and not all(p.greedy and not p.uses_penalties for p in batch.params):
             logits = logits.cpu()
         result = sample(logits, batch)
         tokens = [[t] for t in result.token_ids.tolist()]
         if result.logprobs is None:
-            return tokens, None
-        return tokens, [[lp] for lp in result.logprobs.tolist()]
+            return tokens, None, None
+        return tokens, [[lp] for lp in result.logprobs.tolist()], None
+
+    def _move_accepted_kv(self, reqs: list[ScheduledRequest], paths: list[list[int]]) -> None:
+        """Copy each verified tree's accepted path to the slots right after its root, in
+        every layer, so the cache holds the accepted tokens at consecutive positions (the
+        rejected nodes' slots are rolled back by the scheduler). Node ``i`` was written at
+        row ``1 + i`` after the root; the ``k``-th accepted node belongs at row ``1 + k``.
+        A path that is already in place (a chain's accepted prefix) moves nothing."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.config.block_size
+        for r, path in zip(reqs, paths, strict=True):
+            root = r.start_pos + r.num_tokens - r.num_draft_tokens - 1  # root's position
+            for k, node in enumerate(path):
+                if node != k:
+                    for pos, out in ((root + 1 + node, src), (root + 1 + k, dst)):
+                        out.append(r.block_table[pos // bs] * bs + pos % bs)
+        if not src:
+            return
+        # a destination row is never a later source (node >= k): one gather, one scatter
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        for kv in self.kv_caches:
+            flat = kv.view(2, -1, *kv.shape[3:])  # [2, num_slots, kv_heads, head_dim]
+            flat[:, dst_t] = flat[:, src_t]
 
     @torch.inference_mode()
     def time_forward(self, num_tokens: int, context: int = 64) -> float:

@@ -6,13 +6,20 @@ the eager path turns it into :class:`kernels.attention_metadata.AttentionMetadat
 :meth:`StepPlan.attention_metadata`, and a CUDA graph fills its static buffers from it. Every
 backend reads that one metadata type.
 
+A request verifying a draft *tree* feeds its root (the one pending token) then the nodes in
+topological order: row ``i`` writes its K/V to the slot of flat position ``base + i`` but is
+rotated at position ``base + depth`` and attends through its ancestor bitmask
+(``tree_mask``, see :mod:`kernels.attention_metadata`); every other row's mask is 0
+(causal). A step without trees has ``tree_mask`` None.
+
 Invariants (asserted by :meth:`StepPlan.check_invariants`, which the model runner calls on
 every step, with the metadata's own check, when ``QUICKDRAFT_CHECK_INVARIANTS=1``: the test
 suite sets it in ``tests/conftest.py``): the lists agree
 in length (``num_tokens`` ids and positions, ``num_seqs`` sequences); sequence ``s`` owns
 rows ``query_start_loc[s]:query_start_loc[s + 1]`` whose positions are the last ``q_len`` of
-its ``seq_lens[s]``-token context, in order; its block table covers that context;
-``logits_indices`` are rows of the step, increasing.
+its ``seq_lens[s]``-token context, in order (a tree row: ``base`` + its depth, the number of
+its ancestors); its block table covers that context; ``logits_indices`` are rows of the
+step, increasing.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 
 from quickdraft.engine.scheduler import SchedulerOutput
 from quickdraft.kernels.attention_metadata import AttentionMetadata, build_metadata
+from quickdraft.spec.token_tree import TokenTree
 
 # Tests switch this on (tests/conftest.py): every step's plan and metadata are checked.
 CHECK_INVARIANTS = os.environ.get("QUICKDRAFT_CHECK_INVARIANTS") == "1"
@@ -40,6 +48,8 @@ class StepPlan:
     block_tables: list[Sequence[int]]  # [num_seqs][blocks], read and never edited
     logits_indices: list[int]  # rows of the flat batch to score
     sample_requests: list[int]  # indices into SchedulerOutput.requests that sample this step
+    # [num_tokens] ancestor bitmasks (0 = causal row), or None when no request has a tree
+    tree_mask: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +83,7 @@ class StepPlan:
                            device: torch.device | str | None = None) -> AttentionMetadata:
         """The step's attention metadata on ``device``, in one copy."""
         meta = build_metadata(self.query_start_loc, self.seq_lens, self.block_tables,
-                              block_size, device)
+                              block_size, device, self.tree_mask)
         if CHECK_INVARIANTS:
             self.check_invariants(block_size)
             meta.check_invariants()
@@ -83,10 +93,15 @@ class StepPlan:
         n, qsl = self.num_tokens, self.query_start_loc
         assert len(self.positions) == n and qsl[0] == 0 and qsl[-1] == n, (n, qsl)
         assert len(qsl) == len(self.seq_lens) + 1 == len(self.block_tables) + 1
+        masks = self.tree_mask or [0] * n
+        assert len(masks) == n
         for s, (a, b) in enumerate(itertools.pairwise(qsl)):
             ctx = self.seq_lens[s]
             assert 0 <= b - a <= ctx <= len(self.block_tables[s]) * block_size, (s, a, b, ctx)
-            assert self.positions[a:b] == list(range(ctx - (b - a), ctx)), s
+            base = ctx - (b - a)
+            want = [base + i if not m else base + m.bit_count() - 1
+                    for i, m in enumerate(masks[a:b])]
+            assert self.positions[a:b] == want, s
         rows = self.logits_indices
         assert all(0 <= r < n for r in rows) and rows == sorted(set(rows)), rows
 
@@ -100,10 +115,21 @@ def plan_step(sched: SchedulerOutput) -> StepPlan:
     seq_lens: list[int] = []
     logits_indices: list[int] = []
     sample_requests: list[int] = []
+    tree_mask: list[int] | None = None
     for i, req in enumerate(sched.requests):
         n = req.num_tokens
         input_ids += req.token_ids
-        positions += range(req.start_pos, req.start_pos + n)
+        if req.draft_parents is None:
+            positions += range(req.start_pos, req.start_pos + n)
+        else:  # the root (the one pending token), then the tree's nodes
+            assert n == 1 + len(req.draft_parents), "a tree follows exactly one pending token"
+            tree = TokenTree(tuple(req.token_ids[1:]), req.draft_parents)
+            if tree_mask is None:
+                tree_mask = [0] * len(positions)
+            tree_mask += tree.row_masks()
+            positions += tree.positions(req.start_pos)
+        if tree_mask is not None and len(tree_mask) < len(positions):
+            tree_mask += [0] * (len(positions) - len(tree_mask))
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(req.start_pos + n)
         if req.sample:
@@ -111,4 +137,5 @@ def plan_step(sched: SchedulerOutput) -> StepPlan:
             logits_indices += range(end - 1 - req.num_draft_tokens, end)
             sample_requests.append(i)
     return StepPlan(input_ids, positions, query_start_loc, seq_lens,
-                    [r.block_table for r in sched.requests], logits_indices, sample_requests)
+                    [r.block_table for r in sched.requests], logits_indices, sample_requests,
+                    tree_mask)

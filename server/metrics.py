@@ -43,6 +43,10 @@ COUNTERS = {
     "spec_decode_num_draft_tokens": ("Draft tokens proposed.", "spec_num_drafted"),
     "spec_decode_num_accepted_tokens": ("Draft tokens accepted.", "spec_num_accepted"),
     "spec_decode_proposer_seconds": ("Seconds spent choosing drafts.", "spec_proposer_seconds"),
+    "spec_decode_num_tree_drafts": ("Verification steps whose drafts were a tree (not a "
+                                    "chain).", "spec_num_tree_steps"),
+    "spec_decode_num_tree_nodes": ("Draft tokens of those trees (tree size = this / "
+                                   "num_tree_drafts).", "spec_num_tree_nodes"),
     "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
                              "prefix_cache_queries"),
     "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
@@ -92,6 +96,23 @@ class _EngineCollector(Collector):
             for pos, n in enumerate(source.get("spec_accepted_per_position", [])):
                 per_pos.add_metric([*values, str(pos)], n)
         yield per_pos
+        drafted_pos = CounterMetricFamily(
+            "quickdraft:spec_decode_num_drafts_per_pos",
+            "Verification steps that reached a draft at this position (depth, in a tree).",
+            labels=[*labels, "position"])
+        for values, source in sources:
+            for pos, n in enumerate(source.get("spec_drafted_per_position", [])):
+                drafted_pos.add_metric([*values, str(pos)], n)
+        yield drafted_pos
+        for kind, column in (("drafts", 0), ("draft_tokens", 1), ("accepted_tokens", 2)):
+            by_source = CounterMetricFamily(
+                f"quickdraft:spec_decode_num_{kind}_by_source",
+                f"spec_decode_num_{kind}, by the proposer that drafted them.",
+                labels=[*labels, "source"])
+            for values, source in sources:
+                for name, counts in source.get("spec_by_source", {}).items():
+                    by_source.add_metric([*values, name], counts[column])
+            yield by_source
         up = stats.get("replicas_up")
         if isinstance(up, dict):
             gauge = GaugeMetricFamily("quickdraft:replica_up", REPLICA_UP_HELP,

@@ -120,20 +120,27 @@ class SpeculationPolicy:
 
     def allocate(self, alphas: Sequence[float], available: Sequence[int],
                  num_plain_tokens: int, uses_draft: Sequence[bool] | None = None,
-                 weights: Sequence[float] | None = None) -> list[int]:
+                 weights: Sequence[float] | None = None,
+                 gains: Sequence[Sequence[float] | None] | None = None) -> list[int]:
         """Draft counts per request. ``available[i]``: drafts request i could verify (proposer
         output, already capped); ``num_plain_tokens``: the step's tokens without drafts;
         ``uses_draft[i]``: request i's drafts come from the draft model, whose cost is one
         batched forward per draft position (``depth`` = the deepest such request);
-        ``weights[i]``: what request i's tokens are worth (1 interactive, less background)."""
+        ``weights[i]``: what request i's tokens are worth (1 interactive, less background);
+        ``gains[i]`` (model-free drafts only; None: a chain, ``alpha^j``): the expected
+        accepted tokens each further draft adds, non-increasing — a token tree's nodes in
+        best-first order, each the probability that its whole path is accepted."""
         uses_draft = uses_draft or [False] * len(alphas)
         w = weights or [1.0] * len(alphas)
         base = float(sum(w))
         model_ids = sorted((i for i, d in enumerate(uses_draft)
                             if d and available[i] > 0 and alphas[i] > self.min_alpha),
                            key=lambda i: -alphas[i])
+        node_gains = [list(g) if g is not None else
+                      [alphas[i] ** j for j in range(1, available[i] + 1)]
+                      for i, g in enumerate(gains or [None] * len(alphas))]
         best = _Plan([0] * len(alphas), base, max(num_plain_tokens, 1), 0.0)
-        best = self._add_free_drafts(best, alphas, available, uses_draft, w)
+        best = self._add_free_drafts(best, node_gains, available, uses_draft, w)
         for depth in range(1, self.max_k + 1 if model_ids else 1):
             plan = _Plan([0] * len(alphas), base, max(num_plain_tokens, 1), 0.0)
             for taken, i in enumerate(model_ids, start=1):
@@ -142,16 +149,19 @@ class SpeculationPolicy:
                 if trial.rate(self.cost) <= plan.rate(self.cost):
                     break
                 plan = trial
-            plan = self._add_free_drafts(plan, alphas, available, uses_draft, w)
+            plan = self._add_free_drafts(plan, node_gains, available, uses_draft, w)
             if plan.rate(self.cost) > best.rate(self.cost):
                 best = plan
         return best.ks
 
-    def _add_free_drafts(self, plan: _Plan, alphas: Sequence[float], available: Sequence[int],
-                         uses_draft: Sequence[bool], weights: Sequence[float]) -> _Plan:
-        """Grant n-gram drafts one at a time by marginal gain while the rate improves."""
-        heap = [(-a * weights[i], i) for i, a in enumerate(alphas)
-                if not uses_draft[i] and available[i] > 0 and a > self.min_alpha]
+    def _add_free_drafts(self, plan: _Plan, gains: Sequence[Sequence[float]],
+                         available: Sequence[int], uses_draft: Sequence[bool],
+                         weights: Sequence[float]) -> _Plan:
+        """Grant model-free drafts one at a time by marginal gain while the rate improves
+        (request i's next draft adds ``gains[i][ks[i]]``)."""
+        limit = [min(available[i], len(gains[i])) for i in range(len(gains))]
+        heap = [(-g[0] * weights[i], i) for i, g in enumerate(gains)
+                if not uses_draft[i] and limit[i] > 0 and g[0] > self.min_alpha]
         heapq.heapify(heap)
         while heap:
             neg_gain, i = heapq.heappop(heap)
@@ -159,8 +169,9 @@ class SpeculationPolicy:
             if trial.rate(self.cost) <= plan.rate(self.cost):
                 break
             plan = trial
-            if plan.ks[i] < min(available[i], self.max_k):
-                heapq.heappush(heap, (neg_gain * alphas[i], i))
+            k = plan.ks[i]
+            if k < limit[i]:
+                heapq.heappush(heap, (-gains[i][k] * weights[i], i))
         return plan
 
 

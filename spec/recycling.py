@@ -16,10 +16,10 @@ the table: a CHAIN of top-1 successors, up to the ``k`` drafts the speculator al
 stopping at a token never seen as an input and (``stop_on_cycle``) before the chain closes
 a 2-cycle ``a -> b -> a``: past that point it would only alternate between two stale
 predictions (a self-loop ``a -> a`` is followed: runs of one token are real). The engine
-verifies chains today. The paper drafts a TREE instead: a breadth-first expansion of each
-token's top-``width`` successors along a static template, verified with tree attention. The
-table is laid out for that (whole rows of ranked successors, so a BFS is repeated row
-gathers); only tree verification is missing.
+can verify a chain; like the paper, :func:`draft_tree` drafts a TREE instead: a
+breadth-first expansion of each token's top successors along a static template of widths
+per depth (``TREE_WIDTHS``), verified in one step with tree attention. Each node carries its
+rank among its siblings, from which the speculator scores it.
 
 Tenants. The table is derived from other requests' contexts: the entry of ``t`` is what the
 model predicted after ``t`` *in the latest context containing t*, which copies that
@@ -96,6 +96,42 @@ def draft_chain(table: np.ndarray, start: int, k: int, stop_on_cycle: bool = Tru
     return chain[1:]
 
 
+# Successors expanded per depth (depth 1 = the root's children): a CPU-sized template. The
+# speculator keeps the best-scored nodes the row-cost curve pays for (4-16 on a CPU).
+TREE_WIDTHS = (3, 2, 2, 1, 1, 1, 1, 1)
+
+
+def draft_tree(table: np.ndarray, start: int, max_nodes: int,
+               widths: Sequence[int] = TREE_WIDTHS,
+               ) -> tuple[list[int], list[int], list[int]]:
+    """A breadth-first tree of successors below token ``start``: node ``i`` has token
+    ``tokens[i]``, parent ``parents[i]`` (-1: the root) and ``ranks[i]`` (its column in the
+    table). Depth ``d`` expands the top ``widths[d - 1]`` successors of each node, skipping
+    unseen tokens and a child that would close a 2-cycle ``a -> b -> a`` (as the chain
+    does); at most ``max_nodes`` nodes, in BFS (topological) order."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    ranks: list[int] = []
+    frontier = [(-1, start, -1)]  # (node, token, its parent's token)
+    for width in widths:
+        nxt: list[tuple[int, int, int]] = []
+        for node, token, parent_token in frontier:
+            for rank in range(min(width, table.shape[1])):
+                child = int(table[token, rank])
+                if child == UNSEEN or (child == parent_token and child != token):
+                    continue
+                if len(tokens) == max_nodes:
+                    return tokens, parents, ranks
+                tokens.append(child)
+                parents.append(node)
+                ranks.append(rank)
+                nxt.append((len(tokens) - 1, child, token))
+        if not nxt:
+            break
+        frontier = nxt
+    return tokens, parents, ranks
+
+
 def top_successors(logits: torch.Tensor, width: int) -> np.ndarray:
     """The ``width`` highest-scoring token ids of each row, best first: ``[rows, width]``
     int32 on the host, ``UNSEEN``-padded when the vocabulary is narrower than ``width``.
@@ -167,6 +203,17 @@ class RecyclingProposer:
             return []
         last = request.token_ids_slice(request.num_tokens - 1, request.num_tokens)[0]
         return draft_chain(table, last, k, self.config.stop_on_cycle)
+
+    def propose_tree(self, request: Request, max_nodes: int,
+                     ) -> tuple[list[int], list[int], list[int]]:
+        """:func:`draft_tree` for ``request`` from its tenant's table (tokens, parents,
+        ranks; empty under :meth:`propose`'s rules)."""
+        params = request.sampling_params
+        table = self._tables.get(request.cache_salt)
+        if max_nodes <= 0 or table is None or (not params.greedy and params.seed is not None):
+            return [], [], []
+        last = request.token_ids_slice(request.num_tokens - 1, request.num_tokens)[0]
+        return draft_tree(table, last, max_nodes)
 
     def tenants(self) -> list[str | None]:
         """The tables' tenants, least recently used first."""

@@ -30,10 +30,11 @@ from quickdraft.engine.step_plan import StepPlan
 from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
 from quickdraft.spec.ngram import NgramProposer
 from quickdraft.spec.params import SpeculationParams
-from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy, expected_accepted
+from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy
 from quickdraft.spec.recycling import RecyclingProposer
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_tree import available as suffix_tree_available
+from quickdraft.spec.token_tree import TokenTree
 from quickdraft.spec.verification import supports_speculation
 
 
@@ -44,9 +45,16 @@ class SpeculationStats:
     num_steps: int = 0  # verification steps (request-steps with >= 1 draft)
     num_drafted: int = 0
     num_accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [max_k]
-    drafted_per_position: list[int] = field(default_factory=list)  # [max_k]
+    # by depth in the draft (a chain's position): verifications that reached a draft at
+    # that depth, and those that accepted one there
+    accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
+    drafted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     proposer_seconds: float = 0.0  # wall time spent choosing drafts (all proposers)
+    num_tree_steps: int = 0  # verifications of a tree (not a chain)
+    num_tree_nodes: int = 0  # their drafts (tree size = num_tree_nodes / num_tree_steps)
+    # per source (ngram / suffix / recycling / draft; combined counts its best source):
+    # [verification steps, drafted, accepted]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -58,12 +66,32 @@ class SpeculationStats:
         return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
 
 
+MAX_DEPTH = 16  # deepest draft: a chain of the most drafts a request may take
+
+# A sibling of rank r (its column in the recycling table) is accepted about this much less
+# often than the top-1 successor, per rank.
+RANK_DECAY = 0.5
+# Most nodes of a drafted tree (the policy keeps the best ones its cost curve pays for).
+MAX_TREE_NODES = 16
+
+
 @dataclass
 class _Candidate:
+    """One request's proposal: ``tree`` None = ask the draft model for ``available``
+    drafts; else the drafts with each node's ``scores`` (the estimated probability that its
+    whole path is accepted, non-increasing along paths)."""
+
     request: Request
-    drafts: list[int] | None  # model-free drafts; None = ask the draft model
+    source: str  # what the acceptance is credited to
+    tree: TokenTree | None
+    scores: list[float]
     available: int
     tracker: AcceptanceTracker
+
+    @property
+    def gains(self) -> list[float] | None:
+        """The nodes' scores in best-first order (what the policy grants by), or None."""
+        return sorted(self.scores, reverse=True) if self.tree is not None else None
 
 
 class Speculator:
@@ -86,8 +114,7 @@ class Speculator:
         self.kv = kv
         self.draft_model = draft
         self.max_model_len = max_model_len
-        self.stats = SpeculationStats(accepted_per_position=[0] * max_k,
-                                      drafted_per_position=[0] * max_k)
+        self.stats = SpeculationStats()
 
     def method_of(self, request: Request) -> str:
         params: SpeculationParams | None = request.spec_params
@@ -103,49 +130,96 @@ class Speculator:
         return max(min(k, self.max_k, room), 0)
 
     def _candidate(self, request: Request, k: int) -> _Candidate | None:
+        """The request's proposal under its method: ``suffix`` drafts the suffix trie's
+        chain and, when nothing matches, a token-recycling tree; ``recycling`` the tree;
+        ``ngram`` a chain; ``combined`` every model-free proposal merged into one tree
+        (the draft model when none has anything); ``draft`` the draft model."""
         method = self.method_of(request)
         if method == "combined":
-            return self._best_candidate(request, k)
-        drafts: list[int] = []
-        source = ""
+            return self._combined(request, k) or self._model_candidate(request, k)
+        if method == "draft":
+            return self._model_candidate(request, k)
+        found: _Candidate | None = None
         if method == "suffix" and self.suffix is not None:
-            drafts, source = self.suffix.propose(request, k).tokens, "suffix"
+            found = self._chain(request, "suffix", self.suffix.propose(request, k).tokens)
         elif method in ("ngram", "suffix"):
-            drafts = self.proposer.propose(_context(request, self.proposer.max_context))[:k]
-            source = "ngram"
-        if not drafts and method in ("suffix", "recycling") and self.recycling is not None:
+            found = self._chain(request, "ngram", self._ngram(request, k))
+        if found is None and method in ("suffix", "recycling"):
             # nothing to copy (a chat prompt): follow the target's own recent predictions
-            drafts, source = self.recycling.propose(request, k), "recycling"
-        if drafts:
-            return _Candidate(request, drafts, len(drafts), self._tracker(request, source))
-        if method == "draft" and self.draft_model is not None:
-            return _Candidate(request, None, k, self._tracker(request, "draft"))
-        return None
+            found = self._recycling_tree(request)
+        return found
 
-    def _best_candidate(self, request: Request, k: int) -> _Candidate | None:
-        """``combined``: every model-free proposer drafts, and the chain with the largest
-        expected accepted length under this request's acceptance of that source wins; the
-        draft model (a forward pass per draft) only when none of them has anything."""
-        best: _Candidate | None = None
-        best_gain = 0.0
-        for source, drafts in self._model_free_drafts(request, k):
-            tracker = self._tracker(request, source)
-            gain = expected_accepted(tracker.alpha, len(drafts))
-            if best is None or gain > best_gain:
-                best, best_gain = _Candidate(request, drafts, len(drafts), tracker), gain
-        if best is None and self.draft_model is not None:
-            best = _Candidate(request, None, k, self._tracker(request, "draft"))
-        return best
+    def _chain(self, request: Request, source: str, drafts: list[int]) -> _Candidate | None:
+        if not drafts:
+            return None
+        tracker = self._tracker(request, source)
+        return _Candidate(request, source, TokenTree.from_chain(drafts),
+                          [tracker.alpha ** d for d in range(1, len(drafts) + 1)],
+                          len(drafts), tracker)
 
-    def _model_free_drafts(self, request: Request, k: int) -> list[tuple[str, list[int]]]:
-        """(source, drafts) of each model-free proposer that found something."""
-        found = [("ngram",
-                  self.proposer.propose(_context(request, self.proposer.max_context))[:k])]
-        if self.suffix is not None:
-            found.append(("suffix", self.suffix.propose(request, k).tokens))
-        if self.recycling is not None:
-            found.append(("recycling", self.recycling.propose(request, k)))
-        return [(source, drafts) for source, drafts in found if drafts]
+    def _ngram(self, request: Request, k: int) -> list[int]:
+        return self.proposer.propose(_context(request, self.proposer.max_context))[:k]
+
+    def _recycling_tree(self, request: Request) -> _Candidate | None:
+        if self.recycling is None:
+            return None
+        tokens, parents, ranks = self.recycling.propose_tree(request, MAX_TREE_NODES)
+        if not tokens:
+            return None
+        tracker = self._tracker(request, "recycling")
+        scores: list[float] = []
+        for parent, rank in zip(parents, ranks, strict=True):
+            above = scores[parent] if parent >= 0 else 1.0
+            scores.append(above * tracker.alpha * RANK_DECAY ** rank)
+        return _Candidate(request, "recycling", TokenTree(tuple(tokens), tuple(parents)),
+                          scores, len(tokens), tracker)
+
+    def _model_candidate(self, request: Request, k: int) -> _Candidate | None:
+        if self.draft_model is None:
+            return None
+        return _Candidate(request, "draft", None, [], k, self._tracker(request, "draft"))
+
+    def _combined(self, request: Request, k: int) -> _Candidate | None:
+        """Every model-free proposal merged into one tree: a node proposed by several
+        sources keeps its best score; the acceptance of the step is credited to the
+        source with the most expected accepted tokens."""
+        proposals = [c for c in (
+            self._chain(request, "ngram", self._ngram(request, k)),
+            self._chain(request, "suffix", self.suffix.propose(request, k).tokens)
+            if self.suffix is not None else None,
+            self._recycling_tree(request)) if c is not None]
+        if not proposals:
+            return None
+        best = max(proposals, key=lambda c: sum(c.scores))
+        index: dict[tuple[int, int], int] = {}  # (parent, token) -> merged node
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        for c in proposals:
+            assert c.tree is not None
+            local: list[int] = []
+            for token, parent, score in zip(c.tree.token_ids, c.tree.parents, c.scores,
+                                            strict=True):
+                key = (local[parent] if parent >= 0 else -1, token)
+                node = index.get(key)
+                if node is None:
+                    if len(tokens) == MAX_TREE_NODES:
+                        local.append(-2)  # dropped: so are its descendants
+                        continue
+                    node = index[key] = len(tokens)
+                    tokens.append(token)
+                    parents.append(key[0])
+                    scores.append(score)
+                elif score > scores[node]:
+                    scores[node] = score
+                local.append(node)
+            # a dropped node's children look up parent -2: never found, dropped too
+        # a child's score must not exceed its parent's (merged paths may disagree)
+        for i, parent in enumerate(parents):
+            if parent >= 0:
+                scores[i] = min(scores[i], scores[parent])
+        return _Candidate(request, best.source, TokenTree(tuple(tokens), tuple(parents)),
+                          scores, len(tokens), best.tracker)
 
     @staticmethod
     def _tracker(request: Request, source: str) -> AcceptanceTracker:
@@ -187,9 +261,14 @@ class Speculator:
             return
         ks = self.policy.allocate([c.tracker.alpha for c in candidates],
                                   [c.available for c in candidates], num_plain_tokens,
-                                  [c.drafts is None for c in candidates],
+                                  [c.tree is None for c in candidates],
                                   [1.0 if c.request.priority <= 0 else
-                                   self.policy.background_weight for c in candidates])
+                                   self.policy.background_weight for c in candidates],
+                                  [c.gains for c in candidates])
+        # Tree verification takes one-hot drafts only: a step where a sampled request
+        # verifies draft-model distributions verifies chains (each tree's best path).
+        chains_only = any(c.tree is None and not c.request.sampling_params.greedy
+                          for c, k in zip(candidates, ks, strict=True) if k)
         for c, k in zip(candidates, ks, strict=True):
             c.tracker.steps_since_probe += 1
             if k == 0 and c.tracker.alpha <= self.policy.probe_below_alpha \
@@ -203,11 +282,18 @@ class Speculator:
             c.tracker.steps_since_probe = 0
             state = c.request.spec_state
             state.verifying = c.tracker
+            state.in_flight_source = c.source
             state.num_planned_steps += 1
-            if c.drafts is None:
+            if c.tree is None:
                 state.model_k = k
-            else:
-                c.request.spec_token_ids = c.drafts[:k]
+                state.in_flight_depth = k
+                continue
+            tree = c.tree.top_nodes(c.scores, k)
+            if chains_only and not tree.is_chain:
+                tree = TokenTree.from_chain(_best_path(c.tree, c.scores, k))
+            c.request.spec_token_ids = list(tree.token_ids)
+            c.request.spec_tree_parents = None if tree.is_chain else list(tree.parents)
+            state.in_flight_depth = tree.max_depth
 
     def draft(self, requests: list[Request]) -> None:
         """The draft model drafts ``spec_state.model_k`` tokens for each of ``requests`` in
@@ -239,6 +325,8 @@ class Speculator:
         """The drafts planned for ``request`` will not be verified this step."""
         request.spec_state.verifying = None
         request.spec_state.model_k = 0
+        request.spec_state.in_flight_depth = 0
+        request.spec_state.in_flight_source = ""
 
     def on_preempt(self, request: Request) -> None:
         request.spec_state.on_preempt()
@@ -247,12 +335,14 @@ class Speculator:
         """Account one verification of ``num_drafted`` drafts for ``request``."""
         state = request.spec_state
         tracker, state.verifying = state.verifying, None
+        depth, state.in_flight_depth = state.in_flight_depth or num_drafted, 0
+        source, state.in_flight_source = state.in_flight_source or "given", ""
         # the draft model's cache holds real tokens only up to the verified ones
         state.draft_cache_valid = min(state.draft_cache_valid, request.num_computed_tokens)
         if num_drafted == 0:
             return
-        if tracker is not None:
-            tracker.update(num_drafted, num_accepted)
+        if tracker is not None:  # a tree's acceptance is its path's, tested depth-wise
+            tracker.update(depth, num_accepted)
         request.num_spec_steps += 1
         request.num_drafted_tokens += num_drafted
         request.num_accepted_tokens += num_accepted
@@ -260,10 +350,17 @@ class Speculator:
         s.num_steps += 1
         s.num_drafted += num_drafted
         s.num_accepted += num_accepted
-        for pos in range(num_drafted):
+        for pos in range(min(depth, MAX_DEPTH)):
             s.drafted_per_position[pos] += 1
             if pos < num_accepted:
                 s.accepted_per_position[pos] += 1
+        if num_drafted > depth:  # a tree
+            s.num_tree_steps += 1
+            s.num_tree_nodes += num_drafted
+        counts = s.by_source.setdefault(source, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += num_drafted
+        counts[2] += num_accepted
 
     def on_finish(self, request: Request, status: RequestStatus) -> None:
         """The request is done: drop its state; its output joins its tenant's suffix
@@ -275,6 +372,17 @@ class Speculator:
                 self.suffix.finish(request)
             else:
                 self.suffix.forget(request.request_id)
+
+
+def _best_path(tree: TokenTree, scores: list[float], k: int) -> list[int]:
+    """The tokens of the path that follows the best-scored child from the root, at most
+    ``k`` deep."""
+    path: list[int] = []
+    node = -1
+    while len(path) < k and (kids := tree.children(node)):
+        node = max(kids, key=lambda c: scores[c])
+        path.append(tree.token_ids[node])
+    return path
 
 
 def _context(request: Request, limit: int) -> list[int]:

@@ -35,6 +35,8 @@ class RequestSpecState:
     trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)  # by source
     verifying: AcceptanceTracker | None = None  # the tracker of the drafts in flight
     model_k: int = 0  # drafts the draft model owes this step (slots already reserved)
+    in_flight_depth: int = 0  # depth of the drafts in flight (a chain's length)
+    in_flight_source: str = ""  # the source their acceptance is credited to
     draft_cache_valid: int = 0  # draft-model K/V valid for positions [0, this)
     num_planned_steps: int = 0  # steps in which drafts were planned for the request
 
@@ -49,6 +51,8 @@ class RequestSpecState:
         """The request lost its KV blocks: nothing in flight, the draft cache restarts."""
         self.verifying = None
         self.model_k = 0
+        self.in_flight_depth = 0
+        self.in_flight_source = ""
         self.draft_cache_valid = 0
 
     def check_invariants(self, num_computed_tokens: int) -> None:

@@ -26,7 +26,9 @@ def test_loading_then_stats_and_observations():
     stats = {"num_running": 2, "num_waiting": 1, "kv_usage": 0.25, "num_preemptions": 3,
              "spec_num_steps": 4, "spec_num_drafted": 9, "spec_num_accepted": 5,
              "spec_accepted_per_position": [3, 2], "prefix_cache_queries": 7,
-             "spec_proposer_seconds": 0.5, "suffix_tenants": 2, "suffix_cached_tokens": 300}
+             "spec_proposer_seconds": 0.5, "suffix_tenants": 2, "suffix_cached_tokens": 300,
+             "spec_drafted_per_position": [4, 3], "spec_num_tree_steps": 2,
+             "spec_num_tree_nodes": 14, "spec_by_source": {"recycling": [3, 12, 4]}}
     m.observe(Usage(10, 5, queue_time=0.01, ttft=0.1, decode_time=0.4), "stop", 0.6)
     m.observe(None, "abort", 0.2)
     got = samples(m)
@@ -40,6 +42,12 @@ def test_loading_then_stats_and_observations():
     assert got[("quickdraft:spec_decode_suffix_cached_tokens", label)] == 300
     assert got[("quickdraft:spec_decode_num_accepted_tokens_per_pos_total",
                 (("model_name", "tiny"), ("position", "1")))] == 2
+    assert got[("quickdraft:spec_decode_num_drafts_per_pos_total",
+                (("model_name", "tiny"), ("position", "0")))] == 4
+    assert got[("quickdraft:spec_decode_num_tree_nodes_total", label)] == 14
+    assert got[("quickdraft:spec_decode_num_tree_drafts_total", label)] == 2
+    assert got[("quickdraft:spec_decode_num_accepted_tokens_by_source_total",
+                (("model_name", "tiny"), ("source", "recycling")))] == 4
     interactive = (*label, ("priority", "interactive"))  # observe's default class
     assert got[("quickdraft:prompt_tokens_total", interactive)] == 10
     assert got[("quickdraft:generation_tokens_total", interactive)] == 5

@@ -1,5 +1,7 @@
-"""``combined`` speculation: every model-free proposer drafts, and the chain with the largest
-expected accepted length under the request's own acceptance of each source wins."""
+"""``combined`` speculation: every model-free proposal (n-gram chain, suffix chain,
+token-recycling tree) is merged into one token tree — a continuation proposed by several
+sources is one path, scored by the best of them — and the step's acceptance is credited to
+the source with the most expected accepted tokens."""
 
 from __future__ import annotations
 
@@ -19,21 +21,48 @@ def make() -> tuple[Speculator, Request]:
     return spec, request
 
 
-def test_the_source_the_request_accepts_more_wins():
+def test_shared_continuations_merge_into_one_path_and_the_best_source_is_credited():
     spec, request = make()
-    found = dict(spec._model_free_drafts(request, 4))
-    assert "ngram" in found and "suffix" in found  # (the suffix trie builds with gcc)
-    sources = sorted(found)
-    for favoured in sources:
-        for source in sources:
-            spec._tracker(request, source).alpha = 0.95 if source == favoured else 0.05
-        chosen = spec._best_candidate(request, 4)
-        assert chosen is not None and chosen.drafts == found[favoured]
-        assert chosen.tracker is spec._tracker(request, favoured)
+    ngram = spec._chain(request, "ngram", spec._ngram(request, 4))
+    assert spec.suffix is not None  # (the suffix trie builds with gcc)
+    suffix = spec._chain(request, "suffix", spec.suffix.propose(request, 4).tokens)
+    assert ngram is not None and suffix is not None and ngram.tree is not None
+    for favoured in ("ngram", "suffix"):
+        for source in ("ngram", "suffix"):
+            spec._tracker(request, source).alpha = 0.9 if source == favoured else 0.2
+        merged = spec._combined(request, 4)
+        assert merged is not None and merged.tree is not None
+        # both found 8 9 10 11 after "... 6 7": one chain, not two
+        assert merged.tree.is_chain and merged.tree.token_ids == ngram.tree.token_ids
+        assert merged.scores == [0.9 ** d for d in range(1, len(merged.scores) + 1)]
+        assert merged.source == favoured
+        assert merged.tracker is spec._tracker(request, favoured)
+
+
+def test_different_continuations_branch():
+    spec, request = make()
+    spec.suffix = None
+    recycling_tree = ([1, 3], [-1, -1], [0, 1])  # two root children: 1 (top-1) and 3
+
+    class Table:
+        @staticmethod
+        def propose_tree(req: Request, max_nodes: int) -> tuple[list[int], list[int], list[int]]:
+            return recycling_tree
+
+    spec.recycling = Table()  # type: ignore[assignment]
+    merged = spec._combined(request, 4)
+    assert merged is not None and merged.tree is not None
+    tree = merged.tree
+    root_children = [tree.token_ids[c] for c in tree.children(-1)]
+    assert sorted(root_children) == [1, 3, 8]  # n-gram's 8 ..., recycling's 1 and 3
+    assert all(s <= 1.0 for s in merged.scores)
+    for node, parent in enumerate(tree.parents):  # never more likely than its parent
+        if parent >= 0:
+            assert merged.scores[node] <= merged.scores[parent]
 
 
 def test_nothing_to_draft_and_no_draft_model_gives_no_candidate():
     spec = Speculator("combined", max_k=4, ngram_min=2, ngram_max=4, policy=SpeculationPolicy())
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=64), frozenset())
     request.num_computed_tokens = 2
-    assert spec._best_candidate(request, 4) is None
+    assert spec._candidate(request, 4) is None

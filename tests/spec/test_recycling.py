@@ -158,14 +158,14 @@ def _count_recycled(engine: LLMEngine) -> list[int]:
     recycling = engine.speculator.recycling
     assert recycling is not None
     count = [0]
-    propose = recycling.propose
+    propose = recycling.propose_tree
 
-    def counting(request: Request, k: int) -> list[int]:
-        drafts = propose(request, k)
-        count[0] += bool(drafts)
+    def counting(request: Request, max_nodes: int) -> tuple[list[int], list[int], list[int]]:
+        drafts = propose(request, max_nodes)
+        count[0] += bool(drafts[0])
         return drafts
 
-    recycling.propose = counting  # type: ignore[method-assign]
+    recycling.propose_tree = counting  # type: ignore[method-assign]
     return count
 
 
