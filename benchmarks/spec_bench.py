@@ -121,6 +121,7 @@ def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
     """One category at one concurrency: C=1 one prompt at a time, else C cycled prompts.
     ``shared_tenant``: the run's requests are one tenant (an agent's session)."""
     tenant = tag if shared_tenant else None
+    proposer_before = engine.speculator.stats.proposer_seconds
     if concurrency == 1:
         parts = [run_batch(engine, [p], params, f"{tag}-p{i}", method, tenant)
                  for i, p in enumerate(prompts)]
@@ -132,6 +133,7 @@ def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
         run = run_batch(engine, batch, params, tag, method, tenant)
     generated = sum(len(t) for t in run["tokens"])
     run["generated"] = generated
+    run["proposer_s"] = engine.speculator.stats.proposer_seconds - proposer_before
     run["tok_s"] = generated / run["wall_s"]
     # Decode phase only (first token -> finish, per request): what speculation changes;
     # wall-clock tok/s also carries the prompt's prefill, which no method speeds up.
@@ -162,6 +164,10 @@ def spec_metrics(c: dict[str, int]) -> dict[str, Any]:
         **c,
         "request_steps": request_steps,
         "tokens_per_verify_step": (accepted + steps) / steps if steps else None,
+        # drafts verified per step: a chain's length, a tree's size
+        "drafts_per_verify_step": drafted / steps if steps else None,
+        "proposer_ms_per_step": 1e3 * c.get("proposer_us", 0) / 1e6 / request_steps
+        if request_steps else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "speculated_step_fraction": steps / request_steps if request_steps else None,
         "tokens_per_request_step": c["completion_tokens"] / request_steps
@@ -213,11 +219,12 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     return markdown_table(
         ["category", "conc", "method", "off tok/s", "method tok/s", "speed-up",
-         "decode speed-up", "tok/verify step", "accept rate", "steps speculated",
-         "greedy identical"],
+         "decode speed-up", "tok/verify step", "drafts/verify step", "proposer ms/step",
+         "accept rate", "steps speculated", "greedy identical"],
         [[r["category"], r["concurrency"], r["method"], r["off"]["tok_s"]["median"],
           r["on"]["tok_s"]["median"], r["speedup"], r["decode_speedup"],
-          fmt(r["spec"]["tokens_per_verify_step"]), pct(r["spec"]["acceptance_rate"]),
+          fmt(r["spec"]["tokens_per_verify_step"]), fmt(r["spec"]["drafts_per_verify_step"]),
+          fmt(r["spec"]["proposer_ms_per_step"]), pct(r["spec"]["acceptance_rate"]),
           pct(r["spec"]["speculated_step_fraction"]),
           f"{r['agreement']['identical']}/{r['agreement']['requests']}"] for r in rows])
 
@@ -258,8 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.methods[:1] != ["off"] or not set(args.methods) <= set(SPEC_METHODS) \
             or len(args.methods) < 2:
         p.error(f"--methods: 'off' first, then some of {list(SPEC_METHODS)[1:]}")
-    if {"draft", "combined"} & set(args.methods) and not args.draft_model:
-        p.error("the draft and combined methods need --draft-model")
+    if "draft" in args.methods and not args.draft_model:
+        p.error("the draft method needs --draft-model")
     all_prompts = load_prompts(args.prompts)
     if args.prompts_per_category:
         all_prompts = {c: v[:args.prompts_per_category] for c, v in all_prompts.items()}
@@ -275,7 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
-    uses_draft = bool({"draft", "combined"} & set(args.methods))
+    uses_draft = bool({"draft", "combined"} & set(args.methods)) and bool(args.draft_model)
     config = EngineConfig(model=args.model, dtype=args.dtype,
                           draft_model=args.draft_model if uses_draft else None,
                           max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
@@ -330,7 +337,8 @@ def method_row(cat: str, c: int, method: str, off: list[dict[str, Any]],
                on: list[dict[str, Any]]) -> dict[str, Any]:
     counters: dict[str, int] = {}
     for run in on:
-        counters = add_counters(counters, spec_counters(run["usage"]))
+        counters = add_counters(counters, {**spec_counters(run["usage"]),
+                                           "proposer_us": round(1e6 * run["proposer_s"])})
     paired = [b["tok_s"] / a["tok_s"] for a, b in zip(off, on, strict=True)]
     decode = [b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(off, on, strict=True)]
     return {
