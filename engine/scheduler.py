@@ -168,20 +168,24 @@ class Scheduler:
         caller (tests) are only trimmed to what fits."""
         decoding: list[Request] = []
         rooms: list[int] = []
+        left = budget
         for request, num_plain, cap in chosen:
-            room = self._draft_room(request, cap - num_plain)
+            room = self._draft_room(request, min(cap - num_plain, left))
             if self.speculation is None:
                 del request.spec_token_ids[room:]
                 if request.spec_tree_parents is not None:
                     del request.spec_tree_parents[room:]
+                left -= len(request.spec_token_ids)
             elif num_plain == 1 and request.num_computed_tokens == request.num_tokens - 1:
                 decoding.append(request)
                 rooms.append(room)
         if decoding and self.speculation is not None:
+            # the step's tokens without drafts: the chosen requests' and, roughly, the
+            # prompts of the waiting requests admitted after them
             free_seqs = max(self.max_num_seqs - len(self.running), 0)
-            prefill = sum(n for _, n, _ in chosen if n > 1) + min(
+            num_plain = sum(n for _, n, _ in chosen) + min(
                 budget, sum(r.num_tokens for r in self.waiting[:free_seqs]))
-            self.speculation.plan(decoding, rooms, len(decoding) + prefill, budget)
+            self.speculation.plan(decoding, rooms, num_plain, budget)
         used = 0
         for request, _, _ in chosen:
             used += request.num_lookahead_tokens
