@@ -256,6 +256,12 @@ class Speculator:
             request.clear_drafts()
             k = self._wants(request, room)
             if k and (candidate := self._candidate(request, k)) is not None:
+                if candidate.tree is not None:
+                    # a tree's nodes: within the room (its depth never exceeds its size)
+                    # and a request's own k; past max_k, since only a path is accepted
+                    params = request.spec_params
+                    limit = params.k if params and params.k is not None else MAX_TREE_NODES
+                    candidate.available = min(candidate.available, room, limit)
                 candidates.append(candidate)
         if not candidates:
             return

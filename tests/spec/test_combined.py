@@ -66,3 +66,28 @@ def test_nothing_to_draft_and_no_draft_model_gives_no_candidate():
     request = Request("r", [1, 2, 3], SamplingParams(max_tokens=64), frozenset())
     request.num_computed_tokens = 2
     assert spec._candidate(request, 4) is None
+
+
+def test_a_tree_never_outgrows_the_room_the_scheduler_leaves():
+    """Near the context limit or max_tokens the scheduler leaves little room: a tree's node
+    count (and so its depth) stays within it, and within a request's own k."""
+    from quickdraft.spec.params import SpeculationParams
+
+    spec = Speculator("recycling", max_k=4, ngram_min=2, ngram_max=4,
+                      policy=SpeculationPolicy())
+    chain = list(range(10, 20))
+
+    class Table:
+        @staticmethod
+        def propose_tree(req: Request, max_nodes: int) -> tuple[list[int], list[int], list[int]]:
+            return chain, list(range(-1, 9)), [0] * 10  # a 10-deep chain-shaped "tree"
+
+    spec.recycling = Table()  # type: ignore[assignment]
+    for room, k, want in ((2, None, 2), (16, 3, 3), (0, None, 0)):
+        request = Request("r", [1, 2, 3], SamplingParams(max_tokens=64), frozenset(),
+                          spec_params=SpeculationParams(k=k) if k is not None else None)
+        request.num_computed_tokens = 2
+        request.spec_state.tracker("recycling").alpha = 0.99
+        spec.plan([request], [room], num_plain_tokens=1, budget=64)
+        assert len(request.spec_token_ids) == want
+        spec.cancel(request)
