@@ -99,8 +99,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "default: none, model-free speculation)")
     g.add_argument("--speculation", default=None, choices=list(SPECULATION_METHODS),
                    help="speculative decoding method; the output is identical either way. "
-                   "suffix: suffix tries over the request and its tenant's earlier answers "
-                   "(default: combined with a draft model, else suffix)")
+                   "suffix: suffix tries over the request and its tenant's earlier answers, "
+                   "else a token-recycling tree; combined: every model-free proposal merged "
+                   "into one tree (default: combined with a draft model, else suffix)")
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most draft tokens per step (the policy may use fewer)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
