@@ -85,16 +85,23 @@ for cap in (80, 90):
     for dtype, group, dim, max_q in attn:
         if cap == 80 and dtype == torch.float16:
             continue
-        for split in (False, True) if max_q == 1 else (False,):
+        # (split, tree): split-KV for decode shapes; the tree-mask variant for verification
+        variants = [(False, False), (True, False)] if max_q == 1 else [(False, False)]
+        if max_q == 64 and group == 4:
+            variants.append((False, True))
+        for split, tree in variants:
             cfg = ta.attention_config(dtype, dim, group, max_q)
             opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
             cfg["SPLIT"] = split
+            cfg["HAS_TREE"] = tree
             dt = TL[dtype]
             ptrs = {"default": "i32", "q_ptr": dt, "kv_ptr": dt,
-                    "out_ptr": "fp32" if split else dt, "lse_ptr": "fp32"}
+                    "out_ptr": "fp32" if split else dt, "lse_ptr": "fp32",
+                    "tree_mask_ptr": "i64"}
             results.append(compile_(
                 f"attention {dt} G={group} D={dim} BLOCK_M={cfg['BLOCK_M']} split={split} "
-                f"warps={opts['num_warps']}", ta._paged_attention_kernel, cap, ptrs, cfg, opts))
+                f"tree={tree} warps={opts['num_warps']}", ta._paged_attention_kernel, cap, ptrs,
+                cfg, opts))
     results.append(compile_("reduce_splits bf16 D=128", ta._reduce_splits_kernel, cap,
                             {"default": "fp32", "out_ptr": "bf16"},
                             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=16, INTERP=False),
@@ -141,7 +148,8 @@ def test_kernels_compile_for_sm80_and_sm90():
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS"))
     results = json.loads(line.removeprefix("RESULTS"))
-    assert len(results) == 31  # 8 + 7 attention configs (sm_90, sm_80), 8 others each
+    # 10 + 9 attention configs (sm_90, sm_80; 2 of each with tree masks), 8 others each
+    assert len(results) == 35
     for r in results:
         regs, stack = r["usage"] or (None, None)
         print(f"{r['name']}: regs={regs} spill_stack={stack}B smem={r['smem']}B")
