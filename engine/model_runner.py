@@ -194,13 +194,12 @@ class ModelRunner:
         sampled or penalised plain steps and torch-path verification copy the logits to the
         host, where the requests' generators live (see docs/kernels.md)."""
         on_host = logits.device.type == "cpu"
-        if any(r.draft_parents is not None for r in reqs):
+        if any(r.draft_tree is not None for r in reqs):
             # trees carry one-hot drafts (the speculator keeps draft-model chains with
             # distributions out of tree steps); chains and plain rows are trees too
             assert all(r.draft_probs is None or r.sampling_params.greedy for r in reqs)
-            trees = [TokenTree(tuple(r.token_ids[r.num_tokens - r.num_draft_tokens:]),
-                               r.draft_parents if r.draft_parents is not None
-                               else tuple(range(-1, r.num_draft_tokens - 1))) for r in reqs]
+            trees = [r.draft_tree or TokenTree.from_chain(
+                r.token_ids[r.num_tokens - r.num_draft_tokens:]) for r in reqs]
             tree_out = verify_trees(logits if on_host else logits.cpu(), trees, batch)
             return tree_out.token_ids, tree_out.logprobs, tree_out.accepted_nodes
         if any(r.num_draft_tokens for r in reqs):

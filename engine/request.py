@@ -16,6 +16,7 @@ import torch
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.state import RequestSpecState
+from quickdraft.spec.token_tree import TokenTree
 
 
 class RequestStatus(enum.Enum):
@@ -43,10 +44,10 @@ class Request:
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Draft tokens proposed for this step; they are part of the scheduled input but not of
-    # `num_tokens` until verified. A chain, or a tree in topological order when
-    # `spec_tree_parents` is set (parent index of each draft, -1 = the last verified token).
+    # `num_tokens` until verified. A chain, or, when `spec_tree` is set, that tree's nodes
+    # in its (topological) order, below the last verified token.
     spec_token_ids: list[int] = field(default_factory=list)
-    spec_tree_parents: list[int] | None = None
+    spec_tree: TokenTree | None = None
     # Draft-model distributions of those drafts [num_drafts, vocab] (sampled requests only).
     spec_draft_probs: torch.Tensor | None = None
     spec_state: RequestSpecState = field(default_factory=RequestSpecState)
@@ -90,7 +91,7 @@ class Request:
         return len(self.spec_token_ids) + self.spec_state.model_k
 
     def clear_drafts(self) -> None:
-        self.spec_token_ids, self.spec_tree_parents, self.spec_draft_probs = [], None, None
+        self.spec_token_ids, self.spec_tree, self.spec_draft_probs = [], None, None
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Token ids ``[start, end)`` of prompt + output + drafts (no full-list copy)."""

@@ -173,8 +173,8 @@ class Scheduler:
             room = self._draft_room(request, min(cap - num_plain, left))
             if self.speculation is None:
                 del request.spec_token_ids[room:]
-                if request.spec_tree_parents is not None:
-                    del request.spec_tree_parents[room:]
+                if request.spec_tree is not None:
+                    request.spec_tree = request.spec_tree.prune(room)
                 left -= len(request.spec_token_ids)
             elif num_plain == 1 and request.num_computed_tokens == request.num_tokens - 1:
                 decoding.append(request)
@@ -324,8 +324,8 @@ class Scheduler:
             start_pos=start,
             block_table=tuple(self.kv.block_table(request.request_id)),
             num_draft_tokens=num_drafts,
-            draft_parents=(tuple(request.spec_tree_parents[:num_drafts])
-                           if request.spec_tree_parents is not None and num_drafts else None),
+            draft_tree=(request.spec_tree.prune(num_drafts)
+                        if request.spec_tree is not None and num_drafts else None),
             draft_probs=(request.spec_draft_probs[:num_drafts]
                          if request.spec_draft_probs is not None and num_drafts else None),
             sample=end == request.num_tokens_with_spec,
@@ -404,6 +404,6 @@ class Scheduler:
             assert blocks <= -(-request.num_tokens // bs) + 1, (request.request_id, blocks)
         for request in self.requests.values():
             assert request.num_computed_tokens <= request.num_tokens, request.request_id
-            assert not request.spec_token_ids and request.spec_tree_parents is None
+            assert not request.spec_token_ids and request.spec_tree is None
             request.spec_state.check_invariants(request.num_computed_tokens)
         self.kv.check_invariants()

@@ -12,6 +12,7 @@ import torch
 
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec.token_tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -30,9 +31,9 @@ class ScheduledRequest:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # the drafts as a tree: parent of each draft (-1: the token before the drafts), parents
-    # before children; None: a chain
-    draft_parents: tuple[int, ...] | None = None
+    # the drafts as a tree below the token before them (their order is the tree's); None:
+    # a chain
+    draft_tree: TokenTree | None = None
 
     @property
     def num_tokens(self) -> int:

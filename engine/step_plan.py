@@ -33,7 +33,6 @@ import torch
 
 from quickdraft.engine.scheduler import SchedulerOutput
 from quickdraft.kernels.attention_metadata import AttentionMetadata, build_metadata
-from quickdraft.spec.token_tree import TokenTree
 
 # Tests switch this on (tests/conftest.py): every step's plan and metadata are checked.
 CHECK_INVARIANTS = os.environ.get("QUICKDRAFT_CHECK_INVARIANTS") == "1"
@@ -119,17 +118,17 @@ def plan_step(sched: SchedulerOutput) -> StepPlan:
     for i, req in enumerate(sched.requests):
         n = req.num_tokens
         input_ids += req.token_ids
-        if req.draft_parents is None:
+        tree = req.draft_tree
+        if tree is None:
+            if tree_mask is not None:
+                tree_mask += [0] * n  # causal rows
             positions += range(req.start_pos, req.start_pos + n)
         else:  # the root (the one pending token), then the tree's nodes
-            assert n == 1 + len(req.draft_parents), "a tree follows exactly one pending token"
-            tree = TokenTree(tuple(req.token_ids[1:]), req.draft_parents)
+            assert tuple(req.token_ids[1:]) == tree.token_ids, "a tree follows one pending token"
             if tree_mask is None:
-                tree_mask = [0] * len(positions)
+                tree_mask = [0] * len(positions)  # the causal rows before it
             tree_mask += tree.row_masks()
             positions += tree.positions(req.start_pos)
-        if tree_mask is not None and len(tree_mask) < len(positions):
-            tree_mask += [0] * (len(positions) - len(tree_mask))
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(req.start_pos + n)
         if req.sample:

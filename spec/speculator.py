@@ -191,35 +191,19 @@ class Speculator:
         if not proposals:
             return None
         best = max(proposals, key=lambda c: sum(c.scores))
-        index: dict[tuple[int, int], int] = {}  # (parent, token) -> merged node
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
+        score_of: dict[tuple[int, ...], float] = {}  # a node's path -> its best score
         for c in proposals:
             assert c.tree is not None
-            local: list[int] = []
-            for token, parent, score in zip(c.tree.token_ids, c.tree.parents, c.scores,
-                                            strict=True):
-                key = (local[parent] if parent >= 0 else -1, token)
-                node = index.get(key)
-                if node is None:
-                    if len(tokens) == MAX_TREE_NODES:
-                        local.append(-2)  # dropped: so are its descendants
-                        continue
-                    node = index[key] = len(tokens)
-                    tokens.append(token)
-                    parents.append(key[0])
-                    scores.append(score)
-                elif score > scores[node]:
-                    scores[node] = score
-                local.append(node)
-            # a dropped node's children look up parent -2: never found, dropped too
+            for node, score in enumerate(c.scores):
+                path = c.tree.path_tokens(node)
+                score_of[path] = max(score, score_of.get(path, 0.0))
+        tree = TokenTree.merge(list(score_of), MAX_TREE_NODES)  # dict order: first seen
+        scores = [score_of[tree.path_tokens(node)] for node in range(len(tree))]
         # a child's score must not exceed its parent's (merged paths may disagree)
-        for i, parent in enumerate(parents):
+        for node, parent in enumerate(tree.parents):
             if parent >= 0:
-                scores[i] = min(scores[i], scores[parent])
-        return _Candidate(request, best.source, TokenTree(tuple(tokens), tuple(parents)),
-                          scores, len(tokens), best.tracker)
+                scores[node] = min(scores[node], scores[parent])
+        return _Candidate(request, best.source, tree, scores, len(tree), best.tracker)
 
     @staticmethod
     def _tracker(request: Request, source: str) -> AcceptanceTracker:
@@ -298,7 +282,7 @@ class Speculator:
             if chains_only and not tree.is_chain:
                 tree = TokenTree.from_chain(_best_path(c.tree, c.scores, k))
             c.request.spec_token_ids = list(tree.token_ids)
-            c.request.spec_tree_parents = None if tree.is_chain else list(tree.parents)
+            c.request.spec_tree = None if tree.is_chain else tree
             state.in_flight_depth = tree.max_depth
 
     def draft(self, requests: list[Request]) -> None:
@@ -329,10 +313,7 @@ class Speculator:
 
     def cancel(self, request: Request) -> None:
         """The drafts planned for ``request`` will not be verified this step."""
-        request.spec_state.verifying = None
-        request.spec_state.model_k = 0
-        request.spec_state.in_flight_depth = 0
-        request.spec_state.in_flight_source = ""
+        request.spec_state.drop_in_flight()
 
     def on_preempt(self, request: Request) -> None:
         request.spec_state.on_preempt()
@@ -372,7 +353,7 @@ class Speculator:
         """The request is done: drop its state; its output joins its tenant's suffix
         partition when it ended normally or was cancelled (not on an error)."""
         request.spec_state.on_preempt()
-        request.spec_state.trackers.clear()
+        request.spec_state.trackers.clear()  # (the request object may outlive the engine's use)
         if self.suffix is not None:
             if status != RequestStatus.FINISHED_ERROR and request.error is None:
                 self.suffix.finish(request)

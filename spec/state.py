@@ -47,12 +47,16 @@ class RequestSpecState:
             self.trackers[source] = AcceptanceTracker(alpha=prior)
         return self.trackers[source]
 
-    def on_preempt(self) -> None:
-        """The request lost its KV blocks: nothing in flight, the draft cache restarts."""
+    def drop_in_flight(self) -> None:
+        """The planned drafts will not be verified."""
         self.verifying = None
         self.model_k = 0
         self.in_flight_depth = 0
         self.in_flight_source = ""
+
+    def on_preempt(self) -> None:
+        """The request lost its KV blocks: nothing in flight, the draft cache restarts."""
+        self.drop_in_flight()
         self.draft_cache_valid = 0
 
     def check_invariants(self, num_computed_tokens: int) -> None:

@@ -211,6 +211,8 @@ class TokenTree:
         """The first ``keep`` nodes (a tree, by topological order); all when ``keep >= n``."""
         if keep < 0:
             raise ValueError(f"keep must be >= 0, got {keep}")
+        if keep >= len(self.token_ids):
+            return self  # frozen: nothing to copy
         return TokenTree(self.token_ids[:keep], self.parents[:keep])
 
     def top_nodes(self, scores: Sequence[float], n: int) -> TokenTree:

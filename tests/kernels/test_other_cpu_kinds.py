@@ -19,11 +19,15 @@ import torch
 
 ROOT = Path(__file__).parents[2]
 SUITES = ["tests/kernels/test_cpu_fused.py", "tests/kernels/test_cpu_gemv.py",
-          "tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_int4.py",
+          "tests/kernels/test_cpu_attention.py", "tests/kernels/test_tree_attention.py",
+          "tests/kernels/test_cpu_int4.py",
           "tests/engine/test_cpu_fast_path.py", "tests/engine/test_gguf_quant.py"]
 # On the AVX2 path also the default model end to end: its int4 kernel (the AVX2 one) and the
 # dense path, batch invariance and closeness to fp32 (~1 min).
-AVX2_ONLY = ["tests/engine/test_batch_invariance.py", "tests/engine/test_int4_weights.py"]
+# Tree speculation end to end too: tree rows through the native int4 layer and the masked C
+# kernel must stay token for token on the AVX2 int4 matmul.
+AVX2_ONLY = ["tests/engine/test_batch_invariance.py", "tests/engine/test_int4_weights.py",
+             "tests/spec/test_tree_engine.py"]
 _ORDER = ["default", "avx2", "avx512"]
 
 
