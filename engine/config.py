@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-SPECULATION_METHODS = ("off", "ngram", "suffix", "recycling", "draft", "combined")
+SPECULATION_METHODS = ("auto", "off", "ngram", "suffix", "recycling", "draft", "head",
+                       "combined")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 WEIGHT_FORMATS = ("auto", "int4", "dense")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
@@ -50,12 +51,17 @@ class EngineConfig:
     # Capture decode/verification steps as CUDA graphs (only on CUDA with the triton backend).
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = 256  # largest captured step, in tokens (bucketed below it)
-    # off | ngram | suffix | recycling | draft | combined (draft needs draft_model; combined
-    # merges every model-free proposal into one tree, and asks the draft model, when there
-    # is one, only where none found anything). On by default (suffix; n-gram where its trie
-    # cannot be built; a token-recycling tree where neither matches): the adaptive policy
-    # turns drafts down wherever they would not pay for themselves.
-    speculation: str = "suffix"
+    # off | ngram | suffix | recycling | draft | head | combined | auto (draft needs
+    # draft_model, head a draft head; combined merges every model-free proposal into one
+    # tree and takes the draft head's tree instead where it expects more accepted tokens,
+    # and asks the draft model, when there is one, only where none found anything). auto
+    # (the default): combined with a draft head or draft model, else suffix (n-gram where
+    # its trie cannot be built; a token-recycling tree where neither matches). The adaptive
+    # policy turns drafts down wherever they would not pay for themselves.
+    speculation: str = "auto"
+    # An EAGLE-3-style draft head (spec/draft_head.py): "auto" = the head shipped for this
+    # target, when its fingerprint matches one (else none); a directory; None = none.
+    draft_head: str | None = "auto"
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2
     ngram_max: int = 4
@@ -112,6 +118,11 @@ class EngineConfig:
                               f"got {self.speculation!r}")
         if self.speculation == "draft" and self.draft_model is None:
             raise ConfigError(f"speculation {self.speculation!r} needs a draft_model")
+        if self.speculation == "head" and self.draft_head is None:
+            raise ConfigError(f"speculation {self.speculation!r} needs a draft_head")
+        if self.draft_head is not None and self.draft_model is not None \
+                and self.draft_head != "auto":
+            raise ConfigError("draft_head and draft_model: choose one")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:

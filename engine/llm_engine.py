@@ -13,18 +13,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from quickdraft.engine import loader
 from quickdraft.engine.backend import KernelBackend, select_backend
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.cpu_threads import ThreadGovernor
 from quickdraft.engine.detokenizer import IncrementalDetokenizer
-from quickdraft.engine.kv_cache import KVCacheManager, cdiv
+from quickdraft.engine.kv_cache import KVCacheManager, cdiv, kv_bytes_per_block
 from quickdraft.engine.model_runner import ModelRunner
+from quickdraft.engine.models.llama import ModelShape
 from quickdraft.engine.outputs import RequestOutput, Usage
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
 from quickdraft.engine.scheduler import RequestUpdate, Scheduler
 from quickdraft.engine.step_plan import CHECK_INVARIANTS
+from quickdraft.spec.draft_head import find_head
+from quickdraft.spec.draft_head_runner import DraftHeadRunner
 from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import SpeculationPolicy, StepCost, measure_step_cost
@@ -63,9 +68,23 @@ class LLMEngine:
         self.threads = ThreadGovernor(config.num_threads,
                                       adaptive=self.backend.device.type == "cpu")
         self.draft = self._load_draft()
+        head = find_head(config.draft_head if self.draft is None else None, model_dir,
+                         ModelShape.from_config(hf_config))
+        head_bytes = 0
+        if head is not None:
+            c = head.config
+            head_bytes = kv_bytes_per_block(config.block_size, 1, c.num_kv_heads, c.head_dim,
+                                            config.torch_dtype.itemsize)
         self.runner = ModelRunner(config, model_dir, hf_config, self.max_model_len,
-                                  self.draft.kv_bytes_per_block() if self.draft else 0,
-                                  self.backend)
+                                  (self.draft.kv_bytes_per_block() if self.draft else 0)
+                                  + head_bytes, self.backend)
+        self.head: DraftHeadRunner | None = None
+        if head is not None:
+            self.head = DraftHeadRunner(head, self.runner.model, config.block_size,
+                                        self.backend, torch.Generator().manual_seed(
+                                            config.seed + 2))
+            self.head.allocate(self.runner.num_blocks)
+            self.runner.aux_layers = head.config.aux_layers
         if self.draft is not None:
             check_same_vocabulary(self.tokenizer, self._draft_tokenizer,
                                   self.runner.vocab_size, self.draft.vocab_size)
@@ -78,10 +97,13 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         policy = SpeculationPolicy(self._step_cost(), config.num_speculative_tokens,
                                    draft_cost=self._draft_cost())
+        self.speculation = config.speculation
+        if self.speculation == "auto":
+            self.speculation = "combined" if self.draft or self.head else "suffix"
         self.speculator = Speculator(
-            config.speculation, config.num_speculative_tokens, config.ngram_min,
+            self.speculation, config.num_speculative_tokens, config.ngram_min,
             config.ngram_max, policy, self.kv, self.draft, self.max_model_len,
-            vocab_size=self.runner.vocab_size)
+            vocab_size=self.runner.vocab_size, head=self.head)
         # the scheduler decides who runs with how many drafts; the speculator follows it
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.priority_aging_s,
@@ -111,8 +133,19 @@ class LLMEngine:
         return cost
 
     def _draft_cost(self) -> StepCost | None:
-        """One draft-model forward by batch size (None when not measured: drafting is free)."""
-        if self.draft is None or not self.config.measure_step_cost:
+        """One draft-model forward by batch size (None when not measured: drafting is free);
+        for a draft head, its whole tree proposal divided by the drafts it stands for."""
+        if not self.config.measure_step_cost:
+            return None
+        if self.head is not None and self.draft is None:
+            k = self.config.num_speculative_tokens
+            sizes = [n for n in (1, 2, 4, 8, 16) if n <= self.config.max_num_seqs]
+            cost = measure_step_cost(lambda b: self.head.time_propose(b, 2 * k) / k
+                                     if self.head else 0.0, sizes)
+            log.info("draft head cost per draft by batch: %s",
+                     dict(zip(cost.num_tokens, cost.seconds, strict=True)))
+            return cost
+        if self.draft is None:
             return None
         sizes = [n for n in (1, 2, 4, 8, 9, 16, 17, 32) if n <= self.config.max_num_seqs]
         cost = measure_step_cost(self.draft.time_forward, sizes)
@@ -168,6 +201,9 @@ class LLMEngine:
         if method == "draft" and self.draft is None:
             raise InvalidRequestError("speculation.method",
                                       f"{method!r} needs a draft model; this server has none")
+        if method == "head" and self.head is None:
+            raise InvalidRequestError("speculation.method",
+                                      f"{method!r} needs a draft head; this server has none")
         if speculation and speculation.k is not None \
                 and speculation.k > self.config.num_speculative_tokens:
             raise InvalidRequestError(
@@ -210,7 +246,11 @@ class LLMEngine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         try:
-            result = self.runner.execute(sched, self.speculator.recycler(requests))
+            result = self.runner.execute(sched, self.speculator.recycler(requests),
+                                         self.speculator.features_wanted(requests))
+            if result.features is not None:
+                self.speculator.observe_features(
+                    requests, [s.start_pos for s in sched.requests], result.features)
         except Exception as exc:  # one bad step must not take the engine down
             log.exception("model step failed")
             ids = [s.request_id for s in sched.requests]

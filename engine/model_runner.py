@@ -41,6 +41,9 @@ class RunnerOutput:
     sampled: list[list[int]]  # accepted drafts then one sampled token; empty: no sample
     logprobs: list[list[float]] | None
     num_accepted: list[int]  # accepted drafts (0 without drafts or without a sample)
+    # per request (when asked): the target's aux-layer features [m, 3h] of the positions
+    # this step verified, from its start_pos (a draft head's input); None: not asked
+    features: list[torch.Tensor | None] | None = None
 
 
 def load_model(model_dir: Any, hf_config: Any, dtype: torch.dtype, max_model_len: int,
@@ -100,6 +103,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(extra_bytes_per_block)
         self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, config.block_size)
         self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.aux_layers: tuple[int, ...] = ()  # features a draft head reads (set by the engine)
         self.graphs = self._make_graphs(max_model_len, capture)
         if self.graphs is not None:
             self.graphs.capture_all()
@@ -139,31 +143,44 @@ class ModelRunner:
     def forward_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits at the rows to sample: ``[num_sample_rows, vocab]`` float32, on the device.
         Decode/verification steps replay a CUDA graph when one fits."""
-        if self.graphs is not None and plan.tree_mask is None and self.graphs.eligible(
+        return self.forward_logits_and_features(plan, ())[0]
+
+    @torch.inference_mode()
+    def forward_logits_and_features(self, plan: StepPlan, aux_layers: tuple[int, ...],
+                                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits as :meth:`forward_logits`, and with ``aux_layers`` every row's features
+        ``[num_tokens, len(aux_layers) * hidden]`` (an eager step: no graph replays them)."""
+        if not aux_layers and self.graphs is not None and plan.tree_mask is None \
+                and self.graphs.eligible(
                 len(plan.input_ids), len(plan.seq_lens), plan.max_query_len,
                 plan.all_rows_sampled):
             hidden = self.graphs.run(plan)
-            return self.model.compute_logits(hidden)  # every row is sampled
+            return self.model.compute_logits(hidden), None  # every row is sampled
         packed = torch.tensor([plan.input_ids, plan.positions], dtype=torch.int64)
         packed = packed.to(self.device, non_blocking=True)  # [2, num_tokens], one copy
         meta = plan.attention_metadata(self.config.block_size, self.device)
-        hidden = self.model(packed[0], packed[1], self.kv_caches, meta)  # [T, hidden]
+        hidden, aux = self.model.forward_with_aux(packed[0], packed[1], self.kv_caches, meta,
+                                                  aux_layers)  # [T, hidden], [T, 3h]
         if not plan.all_rows_sampled:
             index = torch.tensor(plan.logits_indices, dtype=torch.int64)
             hidden = hidden[index.to(self.device, non_blocking=True)]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), aux
 
     def execute(self, sched: SchedulerOutput,
-                observe: Callable[[torch.Tensor, StepPlan], None] | None = None) -> RunnerOutput:
-        """``observe``: shown the step's logits and plan before sampling (token recycling)."""
+                observe: Callable[[torch.Tensor, StepPlan], None] | None = None,
+                features_for: list[bool] | None = None) -> RunnerOutput:
+        """``observe``: shown the step's logits and plan before sampling (token recycling);
+        ``features_for[i]``: return request i's verified features (a draft head's input)."""
         plan = plan_step(sched)
         sampled: list[list[int]] = [[] for _ in sched.requests]
-        logits = self.forward_logits(plan)  # [num_sample_rows, vocab]
+        aux_layers = self.aux_layers if features_for else ()
+        logits, aux = self.forward_logits_and_features(plan, aux_layers)
         if observe is not None and plan.sample_requests:
             observe(logits, plan)
         num_accepted = [0] * len(sched.requests)
         if not plan.sample_requests:
-            return RunnerOutput(sampled, None, num_accepted)
+            features = _verified_features(sched, plan, aux, features_for, None)
+            return RunnerOutput(sampled, None, num_accepted, features)
         reqs = [sched.requests[i] for i in plan.sample_requests]
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
@@ -175,15 +192,19 @@ class ModelRunner:
         tokens, logprobs, paths = self._sample(logits, reqs, batch)
         if paths is not None:
             self._move_accepted_kv(reqs, paths)
+        accepted_nodes: list[list[int] | None] = [None] * len(sched.requests)
         logprob_rows: list[list[float]] | None = None
         if logprobs is not None:
             logprob_rows = [[] for _ in sched.requests]
         for row, i in enumerate(plan.sample_requests):
             sampled[i] = tokens[row]
             num_accepted[i] = len(tokens[row]) - 1
+            accepted_nodes[i] = (paths[row] if paths is not None
+                                 else list(range(num_accepted[i])))
             if logprob_rows is not None and logprobs is not None:
                 logprob_rows[i] = logprobs[row]
-        return RunnerOutput(sampled, logprob_rows, num_accepted)
+        features = _verified_features(sched, plan, aux, features_for, accepted_nodes)
+        return RunnerOutput(sampled, logprob_rows, num_accepted, features)
 
     def _sample(self, logits: torch.Tensor, reqs: list[ScheduledRequest], batch: SamplingBatch,
                 ) -> tuple[list[list[int]], list[list[float]] | None, list[list[int]] | None]:
@@ -288,6 +309,30 @@ def _timing_plan(batch: int, context: int, width: int, num_tokens: int, per_seq:
     last = list(range(num_tokens)) if score_all else [num_tokens - 1]
     return StepPlan([0] * num_tokens, positions, qsl, [context + w for w in widths], tables,
                     last, [])
+
+
+def _verified_features(sched: SchedulerOutput, plan: StepPlan, aux: torch.Tensor | None,
+                       wanted: list[bool] | None,
+                       accepted_nodes: list[list[int] | None] | None,
+                       ) -> list[torch.Tensor | None] | None:
+    """Per request, the rows of ``aux [num_tokens, 3h]`` at the positions the step verified:
+    its tokens before the drafts, then the accepted drafts' rows (``accepted_nodes[i]``:
+    tree nodes or a chain's first ones, in path order); on the host."""
+    if aux is None or wanted is None:
+        return None
+    out: list[torch.Tensor | None] = []
+    for i, req in enumerate(sched.requests):
+        if not wanted[i]:
+            out.append(None)
+            continue
+        first = plan.query_start_loc[i]
+        plain = req.num_tokens - req.num_draft_tokens
+        rows = list(range(first, first + plain))
+        nodes = accepted_nodes[i] if accepted_nodes is not None else None
+        if nodes:
+            rows += [first + plain + node for node in nodes]
+        out.append(aux[torch.tensor(rows, device=aux.device)].cpu())
+    return out
 
 
 def _draft_probs(reqs: list[ScheduledRequest], vocab: int,

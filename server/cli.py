@@ -27,6 +27,7 @@ from quickdraft.engine.model_names import KNOWN_MODELS, canonical_model
 from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
 from quickdraft.server.batch_cli import add_batch_parser
 from quickdraft.server.chat_cli import add_chat_parser
+from quickdraft.server.draft_head_cli import add_draft_head_parser
 from quickdraft.server.models_cli import add_models_parser
 from quickdraft.server.serve import add_serve_parser
 
@@ -101,7 +102,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="speculative decoding method; the output is identical either way. "
                    "suffix: suffix tries over the request and its tenant's earlier answers, "
                    "else a token-recycling tree; combined: every model-free proposal merged "
-                   "into one tree (default: combined with a draft model, else suffix)")
+                   "into one tree, or the draft head's tree where it expects more; auto (default): "
+                   "combined with a draft head or draft model, else suffix")
+    g.add_argument("--draft-head", default="auto",
+                   help="EAGLE-3-style draft head directory (`quickdraft draft-head train`); "
+                   "auto: the head shipped for --model if there is one; none: no head")
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most draft tokens per step (the policy may use fewer)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -124,14 +129,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=int(args.kv_cache_memory * (1 << 30)), max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         seed=args.seed, draft_model=args.draft_model,
-        speculation=args.speculation or default_speculation(args.draft_model),
+        speculation=args.speculation or "auto",
+        draft_head=None if args.draft_head == "none" else args.draft_head,
         num_speculative_tokens=args.num_speculative_tokens,
         enable_prefix_caching=args.prefix_caching, device=args.device,
         kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs, weights=args.weights)
-
-
-def default_speculation(draft_model: str | None) -> str:
-    return "combined" if draft_model else "suffix"
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -227,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen, max_tokens=256)
     gen.set_defaults(func=run_generate)
     add_models_parser(sub)
+    add_draft_head_parser(sub)
     add_serve_parser(sub)
     add_batch_parser(sub)
     return parser

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from quickdraft.engine.sampling_params import InvalidParameterError
 
-SPEC_METHODS = ("off", "ngram", "suffix", "recycling", "draft", "combined")
+SPEC_METHODS = ("off", "ngram", "suffix", "recycling", "draft", "head", "combined")
 
 
 @dataclass(frozen=True)

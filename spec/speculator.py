@@ -27,6 +27,7 @@ import torch
 from quickdraft.engine.kv_cache import KVCacheManager
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.step_plan import StepPlan
+from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
 from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
 from quickdraft.spec.ngram import NgramProposer
 from quickdraft.spec.params import SpeculationParams
@@ -73,6 +74,9 @@ MAX_DEPTH = 16  # deepest draft: a chain of the most drafts a request may take
 RANK_DECAY = 0.5
 # Most nodes of a drafted tree (the policy keeps the best ones its cost curve pays for).
 MAX_TREE_NODES = 16
+# The draft head drafts a tree of this many nodes per draft the policy grants it (the
+# policy prices the head like a chain; a tree of twice the nodes costs a few more rows).
+HEAD_NODES_PER_DRAFT = 2
 
 
 @dataclass
@@ -87,6 +91,7 @@ class _Candidate:
     scores: list[float]
     available: int
     tracker: AcceptanceTracker
+    room: int = 0  # most drafts the request may take this step (the scheduler's room)
 
     @property
     def gains(self) -> list[float] | None:
@@ -102,7 +107,7 @@ class Speculator:
     def __init__(self, method: str, max_k: int, ngram_min: int, ngram_max: int,
                  policy: SpeculationPolicy, kv: KVCacheManager | None = None,
                  draft: DraftModelRunner | None = None, max_model_len: int = 1 << 30,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, head: DraftHeadRunner | None = None) -> None:
         self.method = method
         self.max_k = max_k
         self.proposer = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
@@ -113,8 +118,10 @@ class Speculator:
         self.policy = policy
         self.kv = kv
         self.draft_model = draft
+        self.head = head
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
+        self._chains_only = False  # this step verifies chains only (see _plan)
 
     def method_of(self, request: Request) -> str:
         params: SpeculationParams | None = request.spec_params
@@ -136,9 +143,19 @@ class Speculator:
         (the draft model when none has anything); ``draft`` the draft model."""
         method = self.method_of(request)
         if method == "combined":
-            return self._combined(request, k) or self._model_candidate(request, k)
+            free = self._combined(request, k)
+            head = self._head_candidate(request, k)
+            if free is not None and head is not None:
+                # the one expected to accept more tokens: the merged tree's node scores
+                # against a head chain at the head's measured acceptance
+                alpha = head.tracker.alpha
+                head_gain = sum(alpha ** d for d in range(1, k + 1))
+                return head if head_gain > sum(sorted(free.scores)[-k:]) else free
+            return free or head or self._model_candidate(request, k)
         if method == "draft":
             return self._model_candidate(request, k)
+        if method == "head":
+            return self._head_candidate(request, k)
         found: _Candidate | None = None
         if method == "suffix" and self.suffix is not None:
             found = self._chain(request, "suffix", self.suffix.propose(request, k).tokens)
@@ -178,6 +195,11 @@ class Speculator:
         if self.draft_model is None:
             return None
         return _Candidate(request, "draft", None, [], k, self._tracker(request, "draft"))
+
+    def _head_candidate(self, request: Request, k: int) -> _Candidate | None:
+        if self.head is None:
+            return None
+        return _Candidate(request, "head", None, [], k, self._tracker(request, "head"))
 
     def _combined(self, request: Request, k: int) -> _Candidate | None:
         """Every model-free proposal merged into one tree: a node proposed by several
@@ -246,6 +268,9 @@ class Speculator:
                     params = request.spec_params
                     limit = params.k if params and params.k is not None else MAX_TREE_NODES
                     candidate.available = min(candidate.available, room, limit)
+                params = request.spec_params
+                candidate.room = min(room, params.k) if params and params.k is not None \
+                    else room
                 candidates.append(candidate)
         if not candidates:
             return
@@ -256,9 +281,11 @@ class Speculator:
                                    self.policy.background_weight for c in candidates],
                                   [c.gains for c in candidates])
         # Tree verification takes one-hot drafts only: a step where a sampled request
-        # verifies draft-model distributions verifies chains (each tree's best path).
+        # verifies draft-model (or head) distributions verifies chains (each tree's best
+        # path; the head drafts a chain).
         chains_only = any(c.tree is None and not c.request.sampling_params.greedy
                           for c, k in zip(candidates, ks, strict=True) if k)
+        self._chains_only = chains_only
         for c, k in zip(candidates, ks, strict=True):
             c.tracker.steps_since_probe += 1
             if k == 0 and c.tracker.alpha <= self.policy.probe_below_alpha \
@@ -274,8 +301,12 @@ class Speculator:
             state.verifying = c.tracker
             state.in_flight_source = c.source
             state.num_planned_steps += 1
-            if c.tree is None:
+            if c.tree is None:  # the draft model's chain, or the head's tree
                 state.model_k = k
+                if c.source == "head" and c.request.sampling_params.greedy \
+                        and not chains_only:
+                    state.model_k = min(HEAD_NODES_PER_DRAFT * k, c.room, budget + k)
+                    budget -= state.model_k - k
                 state.in_flight_depth = k
                 continue
             tree = c.tree.top_nodes(c.scores, k)
@@ -286,11 +317,20 @@ class Speculator:
             state.in_flight_depth = tree.max_depth
 
     def draft(self, requests: list[Request]) -> None:
-        """The draft model drafts ``spec_state.model_k`` tokens for each of ``requests`` in
-        one batched call, into the slots the scheduler reserved (the block tables already
-        cover ``num_tokens + model_k`` positions)."""
-        assert self.draft_model is not None and self.kv is not None
+        """The draft model (or head) drafts ``spec_state.model_k`` tokens for each of
+        ``requests`` in one batched call, into the slots the scheduler reserved (the block
+        tables already cover ``num_tokens + model_k`` positions)."""
         start = time.perf_counter()
+        by_head = [r for r in requests if r.spec_state.in_flight_source == "head"]
+        if by_head:
+            self._draft_with_head(by_head)
+        if len(by_head) < len(requests):
+            self._draft_with_model([r for r in requests
+                                    if r.spec_state.in_flight_source != "head"])
+        self.stats.proposer_seconds += time.perf_counter() - start
+
+    def _draft_with_model(self, requests: list[Request]) -> None:
+        assert self.draft_model is not None and self.kv is not None
         inputs: list[DraftInput] = []
         for request in requests:
             state = request.spec_state
@@ -309,7 +349,59 @@ class Speculator:
             request.spec_draft_probs = out.probs
             request.spec_state.model_k = 0
             request.spec_state.draft_cache_valid = request.num_tokens + inp.k - 1
-        self.stats.proposer_seconds += time.perf_counter() - start
+
+    def _draft_with_head(self, requests: list[Request]) -> None:
+        """The head's tree (greedy; a chain for sampled requests or in a chains-only step)
+        of ``model_k`` nodes per request. It first catches up on the target features of the
+        positions verified since its last draft; a request missing them drafts nothing."""
+        assert self.head is not None and self.kv is not None
+        inputs: list[HeadInput] = []
+        owed: list[Request] = []
+        for request in requests:
+            state = request.spec_state
+            n = request.num_tokens  # the last token is pending: features end at n - 2
+            feats, fstart = state.head_features, state.head_features_start
+            start = min(max(state.head_valid, fstart), n - 2)
+            if feats is None or not fstart <= start or fstart + len(feats) < n - 1:
+                request.spec_state.model_k = 0  # (a gap in the features: draft nothing)
+                continue
+            rid = request.request_id
+            assert len(self.kv.block_table(rid)) * self.kv.block_size \
+                >= n + state.model_k, "draft slots not reserved"
+            inputs.append(HeadInput(
+                features=feats[start - fstart:n - 1 - fstart],
+                next_token_ids=request.token_ids_slice(start + 1, n), start_pos=start,
+                k=state.model_k, block_table=tuple(self.kv.block_table(rid)),
+                sampling_params=request.sampling_params, generator=request.generator,
+                tree=not self._chains_only))
+            owed.append(request)
+        for request, out in zip(owed, self.head.propose(inputs), strict=True):
+            state = request.spec_state
+            request.spec_token_ids = list(out.tree.token_ids)
+            request.spec_tree = None if out.tree.is_chain else out.tree
+            request.spec_draft_probs = out.probs
+            state.model_k = 0
+            state.in_flight_depth = out.tree.max_depth if len(out.tree) else 0
+            # head K/V now holds positions [0, n - 1); features of those are spent
+            state.head_valid = request.num_tokens - 1
+            state.head_features = None
+            state.head_features_start = request.num_tokens - 1
+
+    def features_wanted(self, requests: list[Request]) -> list[bool] | None:
+        """Which of this step's requests need the target's features (for the draft head);
+        None when none does."""
+        if self.head is None:
+            return None
+        wanted = [self.method_of(r) in ("head", "combined")
+                  and supports_speculation(r.sampling_params) for r in requests]
+        return wanted if any(wanted) else None
+
+    def observe_features(self, requests: list[Request], starts: list[int],
+                         features: list[torch.Tensor | None]) -> None:
+        """The step's verified target features per request (rows from ``starts[i]``)."""
+        for request, start, rows in zip(requests, starts, features, strict=True):
+            if rows is not None and len(rows):
+                request.spec_state.add_features(start, rows)
 
     def cancel(self, request: Request) -> None:
         """The drafts planned for ``request`` will not be verified this step."""

@@ -10,6 +10,9 @@ step in tests):
 
 * ``draft_cache_valid <= request.num_computed_tokens``: the draft model's K/V is trusted only
   where the target's is (verified tokens); a preemption resets it to 0;
+* ``head_valid <= request.num_computed_tokens``: likewise for the draft head's K/V; its
+  pending target features (``head_features``, rows for positions from
+  ``head_features_start``) are dropped on preemption with it;
 * ``model_k > 0`` only between ``plan`` (which reserves the slots) and ``draft`` (which fills
   the drafts) of one step;
 * ``verifying`` is set only while the request has drafts in flight (None between steps).
@@ -19,10 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from quickdraft.spec.policy import AcceptanceTracker
 
 # Where a request's drafts come from: acceptance is tracked per source.
-SOURCES = ("ngram", "suffix", "recycling", "draft")
+SOURCES = ("ngram", "suffix", "recycling", "draft", "head")
 
 # Recycling drafts were accepted 26–34 % of the time on spec_bench (SmolLM2, 2026-11-24);
 # the tracker's optimistic 0.6 made every request pay for drafts that mostly fail before it
@@ -39,6 +44,10 @@ class RequestSpecState:
     in_flight_source: str = ""  # the source their acceptance is credited to
     draft_cache_valid: int = 0  # draft-model K/V valid for positions [0, this)
     num_planned_steps: int = 0  # steps in which drafts were planned for the request
+    head_valid: int = 0  # draft-head K/V valid for positions [0, this)
+    # target features [m, 3h] of positions [head_features_start, +m) not yet fed to the head
+    head_features: torch.Tensor | None = None
+    head_features_start: int = 0
 
     def tracker(self, source: str) -> AcceptanceTracker:
         """The request's acceptance estimate for drafts from ``source``."""
@@ -58,9 +67,23 @@ class RequestSpecState:
         """The request lost its KV blocks: nothing in flight, the draft cache restarts."""
         self.drop_in_flight()
         self.draft_cache_valid = 0
+        self.head_valid = 0
+        self.head_features = None
+        self.head_features_start = 0
+
+    def add_features(self, start: int, rows: torch.Tensor) -> None:
+        """Target features ``rows [m, 3h]`` of positions ``[start, start + m)``; a gap or an
+        overlap with what is kept restarts the kept rows at ``start``."""
+        kept = self.head_features
+        if kept is not None and self.head_features_start + len(kept) == start:
+            self.head_features = torch.cat([kept, rows])
+        else:
+            self.head_features, self.head_features_start = rows, start
 
     def check_invariants(self, num_computed_tokens: int) -> None:
         """Between steps (after the scheduler applied a step's output)."""
         assert 0 <= self.draft_cache_valid <= num_computed_tokens, \
             (self.draft_cache_valid, num_computed_tokens)
+        assert 0 <= self.head_valid <= num_computed_tokens, (self.head_valid,
+                                                             num_computed_tokens)
         assert self.model_k == 0 and self.verifying is None, (self.model_k, self.verifying)

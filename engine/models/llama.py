@@ -256,12 +256,34 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.forward_with_aux(input_ids, positions, kv_caches, meta, ())[0]
+
+    def forward_with_aux(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        aux_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final hidden states ``[num_tokens, hidden]`` and, when ``aux_layers`` is not
+        empty, the residual stream after each of those many layers (HF's
+        ``hidden_states[i]``; 0 = the embeddings) concatenated: ``[num_tokens,
+        len(aux_layers) * hidden]`` (a draft head's input features), else None."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rotary.cos_sin(positions)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        aux: dict[int, torch.Tensor] = {}
+        if 0 in aux_layers:
+            aux[0] = x
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x, residual = layer.forward(x, residual, cos_sin, kv_cache, meta, self.ops)
-        return self.norm.forward(x, residual, self.ops)[0]
+            if index + 1 in aux_layers:
+                aux[index + 1] = x + residual if residual is not None else x
+        hidden = self.norm.forward(x, residual, self.ops)[0]
+        if not aux_layers:
+            return hidden, None
+        return hidden, torch.cat([aux[i] for i in aux_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         return self.lm_head.forward(hidden).float()

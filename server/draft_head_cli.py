@@ -1,0 +1,65 @@
+"""``quickdraft draft-head train``: self-distil an EAGLE-3-style draft head for a target.
+
+The stages and their files are described in :mod:`spec.draft_head_train`; a rerun with the
+same ``--work-dir`` resumes where a crash left off. The head is written to ``--out``; pass
+that directory to ``serve --draft-head`` (the default model's head ships with quickdraft and
+is loaded on its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_draft_head_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    head = sub.add_parser("draft-head", help="train a draft head (EAGLE-3 style) for a model")
+    hsub = head.add_subparsers(dest="draft_head_command", required=True)
+    train = hsub.add_parser(
+        "train", help="generate answers with the target, capture its hidden states, train "
+        "and evaluate a head (resumable)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train.add_argument("--model", default=None,
+                       help="target model (directory, .gguf or name; default: the default "
+                       "model)")
+    train.add_argument("--out", type=Path, required=True, help="where to write the head")
+    train.add_argument("--work-dir", type=Path, default=None,
+                       help="answers, features and checkpoints (default: OUT/work)")
+    train.add_argument("--prompts", type=int, default=1600, help="first-stage prompts")
+    train.add_argument("--second-stage", type=int, default=600,
+                       help="prompts built from the target's own answers")
+    train.add_argument("--eval-prompts", type=int, default=48, help="held-apart prompts")
+    train.add_argument("--max-new-tokens", type=int, default=256)
+    train.add_argument("--concurrency", type=int, default=16)
+    train.add_argument("--draft-vocab", type=int, default=4096)
+    train.add_argument("--epochs", type=float, default=2.0)
+    train.add_argument("--batch-size", type=int, default=4)
+    train.add_argument("--ttt-steps", type=int, default=3,
+                       help="training-time-test unroll steps")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--max-train-minutes", type=float, default=None,
+                       help="stop training after this long (the result then depends on speed)")
+    train.add_argument("--threads", type=int, default=None, help="CPU threads")
+    train.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from quickdraft.spec.draft_head_train import TrainConfig, run
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    config = TrainConfig(
+        out_dir=args.out, work_dir=args.work_dir or args.out / "work", model=args.model,
+        num_prompts=args.prompts, num_second_stage=args.second_stage,
+        num_eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens,
+        concurrency=args.concurrency, draft_vocab_size=args.draft_vocab, epochs=args.epochs,
+        batch_size=args.batch_size, ttt_steps=args.ttt_steps, lr=args.lr, seed=args.seed,
+        max_train_minutes=args.max_train_minutes)
+    report = run(config)
+    print(json.dumps({"head": str(args.out), "eval": report["eval"],
+                      "timings_s": report["timings_s"]}, indent=2))
+    return 0

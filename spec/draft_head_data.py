@@ -1,0 +1,167 @@
+"""Self-distillation data for the draft head: the target's answers and its hidden states.
+
+:func:`generate_answers` runs the engine (greedy, no speculation, batched) over chat prompts
+and appends ``{"prompt", "prompt_ids", "output_ids"}`` lines to a JSONL file; a rerun skips
+the prompts already answered (resumable). :func:`capture_features` feeds each conversation
+(prompt + answer) through the target once and keeps, per position ``t``, the concatenated
+aux-layer residual streams ``features[t]`` (bf16) and the target's argmax ``argmax[t]`` (what
+greedy verification accepts after ``tokens[:t + 1]``), saved in shards.
+
+A training example at position ``t`` is then: features ``features[t]``, input token
+``tokens[t + 1]``, label ``argmax[t + 1]``; losses only on the answer's positions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.step_plan import StepPlan
+
+
+@dataclass
+class Conversation:
+    """One captured example (tensors on the host)."""
+
+    tokens: torch.Tensor  # [n] int64: prompt then answer
+    features: torch.Tensor  # [n, 3h] bf16
+    argmax: torch.Tensor  # [n] int64: the target's greedy next token after tokens[:t+1]
+    prompt_len: int
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash: dropped, redone
+                continue
+    return rows
+
+
+def generate_answers(engine: Any, prompts: list[str], out_path: Path, max_tokens: int,
+                     concurrency: int = 16, desc: str = "generate") -> list[dict[str, Any]]:
+    """Answer every prompt not already in ``out_path`` (greedy, speculation off) and return
+    all rows of the file. ``engine``: an :class:`engine.llm_engine.LLMEngine`."""
+    from quickdraft.engine.sampling_params import SamplingParams
+    from quickdraft.spec.params import SpeculationParams
+
+    done = {row["prompt"] for row in read_jsonl(out_path)}
+    todo = [p for p in dict.fromkeys(prompts) if p not in done]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    off = SpeculationParams(method="off")
+    bar = tqdm(total=len(todo), desc=desc, unit="prompt", dynamic_ncols=True)
+    pending = iter(enumerate(todo))
+    running: dict[str, tuple[str, list[int]]] = {}
+    outputs: dict[str, list[int]] = {}
+    with out_path.open("a") as sink:
+        def submit() -> None:
+            for index, prompt in pending:
+                ids = engine.apply_chat_template([{"role": "user", "content": prompt}])
+                rid = f"gen-{index}"
+                engine.add_request(rid, sampling_params=params, prompt_token_ids=ids,
+                                   speculation=off, cache_salt=rid)
+                running[rid] = (prompt, ids)
+                outputs[rid] = []
+                if len(running) >= concurrency:
+                    return
+        submit()
+        while running:
+            for out in engine.step():
+                outputs[out.request_id].extend(out.token_ids)
+                if out.finished:
+                    prompt, ids = running.pop(out.request_id)
+                    if out.error is None:
+                        sink.write(json.dumps({"prompt": prompt, "prompt_ids": ids,
+                                               "output_ids": outputs.pop(out.request_id)})
+                                   + "\n")
+                        sink.flush()
+                    bar.update(1)
+            submit()
+    bar.close()
+    return read_jsonl(out_path)
+
+
+@torch.inference_mode()
+def capture_one(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
+                tokens: list[int], aux_layers: tuple[int, ...], chunk: int = 512,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(features [n, 3h] bf16, argmax [n])`` of one sequence, prefilled in chunks into
+    ``kv_caches`` from block 0 (no request may be using them)."""
+    n = len(tokens)
+    table = list(range(-(-n // block_size)))
+    feats: list[torch.Tensor] = []
+    argmax: list[torch.Tensor] = []
+    for start in range(0, n, chunk):
+        feed = tokens[start:start + chunk]
+        plan = StepPlan.from_feeds([feed], [start], [table])
+        meta = plan.attention_metadata(block_size, model.embed_tokens.device)
+        ids = torch.tensor(plan.input_ids, dtype=torch.int64)
+        pos = torch.tensor(plan.positions, dtype=torch.int64)
+        hidden, aux = model.forward_with_aux(ids, pos, kv_caches, meta, aux_layers)
+        assert aux is not None
+        feats.append(aux.to(torch.bfloat16).cpu())
+        for rows in hidden.split(128):
+            argmax.append(model.compute_logits(rows).argmax(-1).cpu())
+    return torch.cat(feats), torch.cat(argmax)
+
+
+def capture_features(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
+                     rows: list[dict[str, Any]], aux_layers: tuple[int, ...], out_dir: Path,
+                     shard_size: int = 200, desc: str = "capture") -> list[Path]:
+    """Capture every row into shards ``out_dir/shard-00000.pt`` ...; shards already written
+    are kept (resumable). Returns the shard paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    max_len = kv_caches[0].shape[1] * block_size
+    paths: list[Path] = []
+    shards = [rows[i:i + shard_size] for i in range(0, len(rows), shard_size)]
+    bar = tqdm(total=sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows),
+               desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
+    for index, shard in enumerate(shards):
+        path = out_dir / f"shard-{index:05d}.pt"
+        paths.append(path)
+        size = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in shard)
+        if path.exists():
+            bar.update(size)
+            continue
+        items = []
+        for row in shard:
+            tokens = (row["prompt_ids"] + row["output_ids"])[:max_len]
+            features, argmax = capture_one(model, kv_caches, block_size, tokens, aux_layers)
+            items.append({"tokens": torch.tensor(tokens, dtype=torch.int32),
+                          "features": features, "argmax": argmax.to(torch.int32),
+                          "prompt_len": len(row["prompt_ids"])})
+            bar.update(len(row["prompt_ids"]) + len(row["output_ids"]))
+        tmp = path.with_suffix(".tmp")
+        torch.save(items, tmp)
+        tmp.replace(path)
+    bar.close()
+    return paths
+
+
+def load_conversations(paths: list[Path]) -> Iterator[Conversation]:
+    for path in paths:
+        for item in torch.load(path, weights_only=True):
+            yield Conversation(item["tokens"].long(), item["features"],
+                               item["argmax"].long(), int(item["prompt_len"]))
+
+
+def token_counts(rows: list[dict[str, Any]], vocab_size: int,
+                 key: Callable[[dict[str, Any]], list[int]] = lambda r: r["output_ids"],
+                 ) -> torch.Tensor:
+    """How often each token id occurs in the rows' answers: ``[vocab_size]`` int64."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for row in rows:
+        ids = torch.tensor(key(row), dtype=torch.int64)
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts

@@ -1,0 +1,294 @@
+"""The draft head at serving time: its paged K/V and tree drafting, batched over requests.
+
+Like the draft model (:mod:`spec.draft_model`) the head keeps its own K/V (one layer) in the
+target's block tables: head position ``t`` (the pair ``g_t``, ``x_{t+1}``) lives in the slot
+of position ``t``. ``head_valid = d``: head K/V is valid for positions ``[0, d)``; invariant
+``d <= num_computed_tokens`` (only verified positions, whose target features exist), so a
+rejected draft never leaves anything the head trusts. After a preemption ``d`` restarts at 0.
+
+One :meth:`DraftHeadRunner.propose` call, for a request with ``n`` tokens (the last one
+pending, target features known for positions ``< n - 1``):
+
+1. catch-up (one batched forward over all requests): feed the pairs
+   ``(fc(features[p]), x_{p+1})`` for ``p`` in ``[d, n - 1)``; the last row's output ``o``
+   gives the distribution of the first draft. Now ``d = n - 1``.
+2. rounds: a best-first search over tree nodes scored by the product of the head's
+   probabilities along their path. Each round takes up to ``EXPAND`` best candidates into
+   the tree and feeds them (with their parent's ``o`` and their token) to learn their
+   children. A round feeds the request's root pair again at ``base = n - 2`` followed by
+   every node fed so far, in order, with an ancestor mask (``tree_mask``: the paged kernels'
+   tree attention), so row ``i`` writes slot ``base + i`` (inside the ``k`` reserved
+   slots), and is rotated at ``base`` + its depth.
+3. fill: the best remaining candidates complete the tree to ``k`` nodes (leaves).
+
+Greedy requests get a tree; sampled requests a chain drawn from the head's own ``q`` (the
+request's temperature and filters over the draft vocabulary, zero elsewhere), which the
+rejection sampler verifies against the target exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.engine.backend import KernelBackend, synchronize
+from quickdraft.engine.kv_cache import kv_bytes_per_block
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.engine.step_plan import StepPlan
+from quickdraft.kernels import torch_ops
+from quickdraft.spec.draft_head import DraftHead
+from quickdraft.spec.token_tree import TokenTree
+
+EXPAND = 4  # nodes fed per round and request
+ROUNDS = 3  # rounds after the catch-up (so a tree is at most ROUNDS + 1 deep)
+CHILDREN = 4  # candidates taken from each fed node's distribution
+
+
+@dataclass(frozen=True)
+class HeadInput:
+    """One request's share of a propose call."""
+
+    features: torch.Tensor  # [m, 3h] target features of positions [start_pos, start_pos + m)
+    next_token_ids: list[int]  # [m] the token after each of those positions
+    start_pos: int
+    k: int  # nodes wanted (slots reserved after the pending token)
+    block_table: tuple[int, ...]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    tree: bool = True  # False: a chain even for a greedy request
+
+
+@dataclass(frozen=True)
+class HeadOutput:
+    tree: TokenTree  # at most k nodes (a chain for sampled requests)
+    probs: torch.Tensor | None  # [nodes, vocab] the head's q (sampled requests), else None
+
+
+class DraftHeadRunner:
+    """Owns the head (in the target's dtype) and its K/V; reads block tables only."""
+
+    def __init__(self, head: DraftHead, target: LlamaForCausalLM, block_size: int,
+                 backend: KernelBackend, default_generator: torch.Generator) -> None:
+        device = target.embed_tokens.device
+        self.head = head.to(device=device, dtype=target.dtype).eval()
+        self.embed = target.embed_tokens
+        self.rotary = target.rotary
+        self.block_size = block_size
+        self.backend = backend
+        self.attention = backend.attention
+        self.default_generator = default_generator
+        self.vocab_size = head.config.target_vocab_size
+        self.draft_to_target = head.draft_to_target.to(device)
+        self.kv_cache = torch.zeros(0)
+        c = head.config
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim ** -0.5
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.head.config.aux_layers
+
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.block_size, 1, self.kv_heads, self.head_dim,
+                                  self.head.lm_head.weight.dtype.itemsize)
+
+    def allocate(self, num_blocks: int) -> None:
+        self.kv_cache = torch.zeros(2, num_blocks, self.block_size, self.kv_heads,
+                                    self.head_dim, dtype=self.head.lm_head.weight.dtype,
+                                    device=self.embed.device)
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
+                 ) -> torch.Tensor:
+        """One head layer over a flat batch: ``hidden [R, h]`` (fused features or parent
+        outputs), the rows' tokens and plan -> outputs ``o [R, h]``."""
+        device = self.embed.device
+        head = self.head
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        emb = torch.nn.functional.embedding(ids, self.embed)  # [R, h]
+        qkv = head.qkv(head.layer_input(hidden, emb))  # [R, q + 2kv]
+        q, k, v = qkv.split([head.q_size, head.kv_size, head.kv_size], dim=-1)
+        cos, sin = self.rotary.cos_sin(torch.tensor(plan.positions, device=device))
+        q = torch_ops.rope_neox(q.reshape(-1, self.heads, self.head_dim), cos, sin)
+        k = torch_ops.rope_neox(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
+        meta = plan.attention_metadata(self.block_size, device)
+        self.attention.write_kv(k, v.reshape(-1, self.kv_heads, self.head_dim), self.kv_cache,
+                                meta.slot_mapping)
+        attn = self.attention.paged_attention(q, self.kv_cache, meta, self.scale)  # [R, H, D]
+        return head.finish_layer(attn.reshape(-1, head.q_size), hidden)
+
+    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V_d] float32
+        return torch.log_softmax(self.head.logits(out).float(), dim=-1)
+
+    # ------------------------------------------------------------------ drafting
+
+    @torch.inference_mode()
+    def propose(self, inputs: list[HeadInput]) -> list[HeadOutput]:
+        if not inputs:
+            return []
+        head = self.head
+        # 1. catch-up: every request's pending pairs in one forward
+        feeds = [inp.next_token_ids for inp in inputs]
+        plan = StepPlan.from_feeds(feeds, [inp.start_pos for inp in inputs],
+                                   [inp.block_table for inp in inputs])
+        device = self.embed.device
+        features = torch.cat([inp.features for inp in inputs]).to(device, head.fc.weight.dtype)
+        fused = head.fc(features)  # [R, h]
+        out = self._forward(fused, plan.input_ids, plan)
+        last = torch.tensor(plan.logits_indices, device=device)
+        roots = [_Search(inp, fused[row], out[row]) for inp, row in
+                 zip(inputs, plan.logits_indices, strict=True)]
+        first = self._log_probs(out[last])  # [A, V_d]
+        for search, lp in zip(roots, first, strict=True):
+            search.expand(-1, lp, self)
+        # 2. rounds: feed the best candidates, learn their children
+        rounds = max(ROUNDS if s.branching else s.inp.k - 1 for s in roots)
+        for _ in range(rounds):
+            active = [s for s in roots if s.take_round()]
+            if not active:
+                break
+            feeds, starts, tables, hidden_rows, masks, positions = [], [], [], [], [], []
+            for s in active:
+                feeds.append([s.inp.next_token_ids[-1], *(s.tokens[n] for n in s.fed)])
+                base = s.inp.start_pos + len(s.inp.next_token_ids) - 1  # the root pair's
+                starts.append(base)
+                tables.append(s.inp.block_table)
+                hidden_rows += [s.root_hidden, *(s.parent_out(n) for n in s.fed)]
+                masks += s.row_masks()
+                positions += [base, *(base + s.depth[n] for n in s.fed)]
+            flat = StepPlan.from_feeds(feeds, starts, tables)
+            plan = StepPlan(flat.input_ids, positions, flat.query_start_loc, flat.seq_lens,
+                            flat.block_tables, flat.logits_indices, flat.sample_requests,
+                            masks)
+            out = self._forward(torch.stack(hidden_rows), plan.input_ids, plan)
+            new_rows = [(s, node, first_row + 1 + i)
+                        for s, first_row in zip(active, plan.query_start_loc, strict=False)
+                        for i, node in enumerate(s.fed) if node in s.pending]
+            lps = self._log_probs(out[torch.tensor([r for _, _, r in new_rows],
+                                                   device=device)])
+            for (s, node, row), lp in zip(new_rows, lps, strict=True):
+                s.outputs[node] = out[row]
+                s.expand(node, lp, self)
+            for s in active:
+                s.pending.clear()
+        return [s.finish() for s in roots]
+
+    def sample_child(self, log_probs: torch.Tensor, inp: HeadInput,
+                     ) -> tuple[int, torch.Tensor]:
+        """One draw from the request's filtered ``q`` over the target vocabulary: (token,
+        ``q [vocab]``)."""
+        p = inp.sampling_params
+        logits = torch.full((1, self.vocab_size), float("-inf"))
+        logits[0, self.draft_to_target.cpu()] = log_probs.float().cpu()
+        filtered = apply_temperature_and_filters(
+            logits, temperature=torch.tensor([p.temperature]),
+            top_k=torch.tensor([p.top_k], dtype=torch.long), top_p=torch.tensor([p.top_p]),
+            min_p=torch.tensor([p.min_p]))
+        q = torch.softmax(filtered, dim=-1)  # [1, vocab]
+        token = int(sample_from_probs(q, [inp.generator], self.default_generator)[0])
+        return token, q[0]
+
+    @torch.inference_mode()
+    def time_propose(self, batch: int, k: int, context: int = 64) -> float:
+        """Seconds for one greedy propose of ``k`` nodes for ``batch`` requests after
+        ``context`` positions. Uses the first blocks: call only while no request runs."""
+        per_seq = -(-(context + k + 2) // self.block_size)
+        if per_seq > self.kv_cache.shape[1]:
+            return float("nan")
+        width = len(self.head.config.aux_layers) * self.head.config.hidden_size
+        inp = HeadInput(torch.zeros(1, width), [0], context, k, tuple(range(per_seq)),
+                        SamplingParams(temperature=0.0), None)
+        synchronize(self.embed.device)
+        start = time.perf_counter()
+        self.propose([inp] * batch)
+        synchronize(self.embed.device)
+        return time.perf_counter() - start
+
+
+class _Search:
+    """One request's best-first tree search (host side)."""
+
+    def __init__(self, inp: HeadInput, root_hidden: torch.Tensor, root_out: torch.Tensor,
+                 ) -> None:
+        self.inp = inp
+        self.greedy = inp.sampling_params.greedy
+        self.branching = self.greedy and inp.tree
+        self.root_hidden = root_hidden  # fc(features) of the root pair
+        self.root_out = root_out
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depth: list[int] = []
+        self.scores: list[float] = []  # log-probability of the node's path
+        self.q: list[torch.Tensor] = []  # sampled chains: the head's q per node
+        self.outputs: dict[int, torch.Tensor] = {}  # fed node -> its output o
+        self.fed: list[int] = []
+        self.pending: list[int] = []  # fed this round, children not known yet
+        self.heap: list[tuple[float, int, int, int]] = []  # (-score, order, parent, token)
+        self._order = 0
+
+    def parent_out(self, node: int) -> torch.Tensor:
+        parent = self.parents[node]
+        return self.root_out if parent < 0 else self.outputs[parent]
+
+    def expand(self, node: int, log_probs: torch.Tensor, runner: DraftHeadRunner) -> None:
+        """Candidates below ``node`` (-1: the root) from its distribution."""
+        base = self.scores[node] if node >= 0 else 0.0
+        if not self.greedy:  # a chain: one sampled child
+            token, q = runner.sample_child(log_probs, self.inp)
+            self._push(base, node, token)
+            self.q.append(q)
+            return
+        top = torch.topk(log_probs, CHILDREN if self.branching else 1)
+        ids = runner.draft_to_target[top.indices].tolist()
+        for lp, token in zip(top.values.tolist(), ids, strict=True):
+            self._push(base + lp, node, token)
+
+    def _push(self, score: float, parent: int, token: int) -> None:
+        heapq.heappush(self.heap, (-score, self._order, parent, token))
+        self._order += 1
+
+    def _add_best(self) -> int:
+        neg, _, parent, token = heapq.heappop(self.heap)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        self.scores.append(-neg)
+        return len(self.tokens) - 1
+
+    def take_round(self) -> bool:
+        """Add this round's best candidates to the tree and mark those with room left for
+        children to be fed; False when nothing is to be fed. A greedy tree of ``k`` nodes
+        takes ``k // (ROUNDS + 1)`` a round (the rest are leaves), a chain one."""
+        k = self.inp.k
+        limit = max(1, k // (ROUNDS + 1)) if self.branching else 1
+        while self.heap and len(self.pending) < limit and len(self.tokens) < k:
+            node = self._add_best()
+            if len(self.tokens) < k:  # room for its children: feed it (at most k - 1 fed)
+                self.pending.append(node)
+                self.fed.append(node)
+        return bool(self.pending)
+
+    def row_masks(self) -> list[int]:
+        """Ancestor bitmasks of the rows ``[root, *fed]`` (bit 0: the root)."""
+        index = {node: i + 1 for i, node in enumerate(self.fed)}
+        masks = [1]
+        for node in self.fed:
+            m, cur = 1, node
+            while cur >= 0:
+                m |= 1 << index[cur]
+                cur = self.parents[cur]
+            masks.append(m)
+        return masks
+
+    def finish(self) -> HeadOutput:
+        while self.heap and len(self.tokens) < self.inp.k:
+            self._add_best()
+        tree = TokenTree(tuple(self.tokens), tuple(self.parents))
+        probs = torch.stack(self.q[:len(self.tokens)]) if self.q and self.tokens else None
+        return HeadOutput(tree, probs)

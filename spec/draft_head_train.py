@@ -1,0 +1,302 @@
+"""``quickdraft draft-head train``: self-distil a draft head from the target, resumably.
+
+Stages, each written under ``work_dir`` and skipped on a rerun once finished (a crash loses
+at most the stage's current shard or the steps since the last checkpoint):
+
+1. answers: the target answers the first-stage prompts, then second-stage prompts built from
+   its own answers (:mod:`spec.draft_head_prompts`), and the held-apart evaluation prompts;
+2. features: each conversation's aux-layer hidden states and greedy argmax
+   (:mod:`spec.draft_head_data`);
+3. training: AdamW over the answers' positions with EAGLE-3's training-time test
+   (``ttt_steps`` unrolled steps, step ``j`` weighted ``0.8^j``); checkpoints every
+   ``checkpoint_every`` steps (weights, optimiser, step, data order);
+4. evaluation: on the held-apart conversations, the greedy chain acceptance: at each answer
+   position, how many of the head's next ``eval_depth`` drafts the target accepts;
+5. the head (``draft_head.json`` + ``draft_head.safetensors``) and ``train_report.json``.
+
+Deterministic for a seed on one machine and thread count (data order, initialisation).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.spec.draft_head import DraftHead, DraftHeadConfig, model_fingerprint, save_head
+from quickdraft.spec.draft_head_data import (
+    Conversation,
+    capture_features,
+    generate_answers,
+    load_conversations,
+    token_counts,
+)
+from quickdraft.spec.draft_head_prompts import first_stage_prompts, second_stage_prompts
+
+STEP_DECAY = 0.8  # weight of unroll step j: STEP_DECAY ** j
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out_dir: Path
+    work_dir: Path
+    model: str | None = None  # a model spec (None: the default model)
+    num_prompts: int = 1600  # first-stage training prompts (at most ~2000 exist)
+    num_second_stage: int = 600
+    num_eval_prompts: int = 48
+    max_new_tokens: int = 256
+    concurrency: int = 16
+    draft_vocab_size: int = 4096
+    epochs: float = 2.0
+    batch_size: int = 4  # conversations per optimiser step
+    max_seq_len: int = 768
+    ttt_steps: int = 3
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    seed: int = 0
+    eval_depth: int = 5
+    checkpoint_every: int = 25
+    max_train_minutes: float | None = None  # stop training early (then not deterministic)
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_new_tokens", "concurrency", "draft_vocab_size",
+                     "batch_size", "max_seq_len", "ttt_steps", "eval_depth",
+                     "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if not self.epochs > 0 or not self.lr > 0:
+            raise ValueError("epochs and lr must be positive")
+
+
+def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
+    """All stages; ``engine`` (an LLMEngine on ``config.model``, speculation off) is built
+    when not given. Returns the report written to ``out_dir/train_report.json``."""
+    from quickdraft.engine import loader
+    from quickdraft.engine.config import EngineConfig
+    from quickdraft.engine.llm_engine import LLMEngine
+
+    started = time.perf_counter()
+    work = config.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = loader.resolve_model(config.model)
+    if engine is None:
+        engine = LLMEngine(EngineConfig(model=config.model, speculation="off",
+                                        measure_step_cost=False, seed=config.seed))
+    model: LlamaForCausalLM = engine.runner.model
+    fingerprint = model_fingerprint(model_dir)
+    head_config = DraftHeadConfig.for_target(model.shape, fingerprint, config.draft_vocab_size)
+    timings: dict[str, float] = {}
+
+    # 1. answers
+    t0 = time.perf_counter()
+    train_prompts, eval_prompts = first_stage_prompts(config.num_prompts, config.seed)
+    first = generate_answers(engine, train_prompts, work / "answers-1.jsonl",
+                             config.max_new_tokens, config.concurrency, "answers (1/3)")
+    decode = engine.tokenizer.decode
+    second_prompts = second_stage_prompts(
+        [(r["prompt"], decode(r["output_ids"], skip_special_tokens=True)) for r in first],
+        config.num_second_stage, config.seed)
+    second = generate_answers(engine, second_prompts, work / "answers-2.jsonl",
+                              config.max_new_tokens, config.concurrency, "answers (2/3)")
+    held = generate_answers(engine, eval_prompts[:config.num_eval_prompts],
+                            work / "answers-eval.jsonl", config.max_new_tokens,
+                            config.concurrency, "answers (3/3, held apart)")
+    timings["answers_s"] = time.perf_counter() - t0
+
+    # 2. features
+    t0 = time.perf_counter()
+    train_rows = first + second
+    aux = head_config.aux_layers
+    block_size = engine.config.block_size
+    kv = engine.runner.kv_caches
+    train_shards = capture_features(model, kv, block_size, train_rows, aux,
+                                    work / "features-train", desc="features (train)")
+    eval_shards = capture_features(model, kv, block_size, held, aux, work / "features-eval",
+                                   desc="features (held apart)")
+    timings["features_s"] = time.perf_counter() - t0
+
+    # 3. training
+    t0 = time.perf_counter()
+    counts = token_counts(train_rows, model.shape.vocab_size)
+    draft_vocab = torch.argsort(counts, descending=True, stable=True)[
+        :head_config.draft_vocab_size].sort().values  # [V_d] target ids
+    coverage = float(counts[draft_vocab].sum() / max(int(counts.sum()), 1))
+    train_data = list(load_conversations(train_shards))
+    head, steps_done, losses = train(head_config, model, draft_vocab, train_data, config,
+                                     work)
+    timings["train_s"] = time.perf_counter() - t0
+
+    # 4. evaluation, 5. files
+    eval_data = list(load_conversations(eval_shards))
+    acceptance = evaluate(head, model, eval_data, config.eval_depth)
+    save_head(head, config.out_dir)
+    num_answer_tokens = sum(len(r["output_ids"]) for r in train_rows)
+    report = {
+        "target": str(model_dir), "target_fingerprint": fingerprint,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "train_conversations": len(train_rows), "train_answer_tokens": num_answer_tokens,
+        "train_tokens": sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in train_rows),
+        "eval_conversations": len(eval_data), "optimizer_steps": steps_done,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        "draft_vocab_coverage": round(coverage, 4), "eval": acceptance,
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        "total_s": round(time.perf_counter() - started, 1),
+        "machine": f"{platform.processor() or platform.machine()}, "
+                   f"{torch.get_num_threads()} threads",
+    }
+    (config.out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def init_head(config: DraftHeadConfig, target: LlamaForCausalLM,
+              draft_vocab: torch.Tensor) -> DraftHead:
+    """A new head: random layer, ``lm_head`` rows and final norm from the target."""
+    head = DraftHead(config)
+    with torch.no_grad():
+        head.draft_to_target.copy_(draft_vocab)
+        head.lm_head.weight.copy_(target.lm_head.weight[draft_vocab].float())
+        head.norm.copy_(target.norm.weight.float())
+    return head
+
+
+def _batches(data: list[Conversation], batch_size: int, generator: torch.Generator,
+             ) -> list[list[int]]:
+    """One epoch: conversations sorted by length into batches, batches shuffled."""
+    order = sorted(range(len(data)), key=lambda i: len(data[i].tokens))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    perm = torch.randperm(len(batches), generator=generator).tolist()
+    return [batches[i] for i in perm]
+
+
+def make_batch(items: list[Conversation], embed: torch.Tensor, t2d: torch.Tensor,
+               max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(features [B, T, 3h] f32, embeds [B, T, h], labels [B, T] draft ids or -100,
+    loss mask [B, T])`` for positions ``t`` with input token ``tokens[t + 1]`` and label
+    ``argmax[t + 1]``; losses on answer positions only."""
+    t = min(max(len(c.tokens) - 1 for c in items), max_len)
+    b, width = len(items), items[0].features.shape[1]
+    features = torch.zeros(b, t, width)
+    embeds = torch.zeros(b, t, embed.shape[1])
+    labels = torch.full((b, t), -100, dtype=torch.int64)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for row, c in enumerate(items):
+        n = min(len(c.tokens) - 1, t)
+        features[row, :n] = c.features[:n].float()
+        embeds[row, :n] = embed[c.tokens[1:n + 1]]
+        labels[row, :n] = t2d[c.argmax[1:n + 1]]
+        mask[row, max(c.prompt_len - 1, 0):n] = True
+    labels[~mask] = -100
+    return features, embeds, labels, mask
+
+
+def train(head_config: DraftHeadConfig, target: LlamaForCausalLM, draft_vocab: torch.Tensor,
+          data: list[Conversation], config: TrainConfig, work: Path,
+          ) -> tuple[DraftHead, int, list[float]]:
+    """Train (or resume) the head; returns it, the optimiser steps taken in all and the
+    mean loss of each tenth of this run's steps (first and last: did it learn)."""
+    torch.manual_seed(config.seed)
+    head = init_head(head_config, target, draft_vocab)
+    embed = target.embed_tokens.detach().float()
+    t2d = torch.full((head_config.target_vocab_size,), -100, dtype=torch.int64)
+    t2d[draft_vocab] = torch.arange(len(draft_vocab))
+    cos, sin = target.rotary.cos.float(), target.rotary.sin.float()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0,
+                                  betas=(0.9, 0.95))
+    per_epoch = math.ceil(len(data) / config.batch_size)
+    total = max(int(per_epoch * config.epochs), 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
+        (s + 1) / config.warmup_steps, 0.5 * (1 + math.cos(math.pi * min(s / total, 1.0)))))
+    ckpt_path = work / "checkpoint.pt"
+    step = 0
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        head.load_state_dict(ckpt["head"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        schedule.load_state_dict(ckpt["schedule"])
+        step = ckpt["step"]
+    generator = torch.Generator().manual_seed(config.seed)
+    plan: list[list[int]] = []
+    for _ in range(math.ceil(config.epochs)):
+        plan += _batches(data, config.batch_size, generator)
+    plan = plan[:total]
+    deadline = (time.monotonic() + 60 * config.max_train_minutes
+                if config.max_train_minutes else math.inf)
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    history: list[float] = []
+    head.train()
+    while step < total and time.monotonic() < deadline:
+        items = [data[i] for i in plan[step]]
+        features, embeds, labels, _mask = make_batch(items, embed, t2d, config.max_seq_len)
+        t = features.shape[1]
+        logits = head.unrolled_logits(features, embeds, cos[:t], sin[:t], config.ttt_steps)
+        loss = torch.zeros(())
+        accs = []
+        for j, step_logits in enumerate(logits):
+            lab = labels.clone()
+            lab[:, :j] = -100  # no input from step j - 1 there
+            loss = loss + STEP_DECAY ** j * F.cross_entropy(
+                step_logits.reshape(-1, step_logits.shape[-1]), lab.reshape(-1),
+                ignore_index=-100)
+            valid = lab != -100
+            accs.append(float((step_logits.argmax(-1) == lab)[valid].float().mean())
+                        if valid.any() else 0.0)
+        history.append(float(loss.detach()))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        optimizer.step()
+        schedule.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{history[-1]:.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+        if step % config.checkpoint_every == 0 or step == total:
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(), "step": step}, tmp)
+            tmp.replace(ckpt_path)
+    bar.close()
+    tenth = max(len(history) // 10, 1)
+    losses = [sum(history[i:i + tenth]) / len(history[i:i + tenth])
+              for i in range(0, len(history), tenth)]
+    return head.eval(), step, [round(x, 4) for x in losses]
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, target: LlamaForCausalLM, data: list[Conversation],
+             depth: int) -> dict[str, Any]:
+    """Greedy chain acceptance on ``data``: at each answer position, the head's drafts
+    ``1..depth`` are taken while each equals the target's argmax (teacher-forced unrolling
+    equals real drafting on an accepted prefix). Returns mean accepted drafts, tokens per
+    verification (accepted + 1) and the per-depth acceptance."""
+    embed = target.embed_tokens.detach().float()
+    t2d = torch.full((head.config.target_vocab_size,), -100, dtype=torch.int64)
+    t2d[head.draft_to_target] = torch.arange(head.config.draft_vocab_size)
+    cos, sin = target.rotary.cos.float(), target.rotary.sin.float()
+    accepted_total, positions = 0, 0
+    reached = [0] * depth
+    for c in data:
+        features, embeds, labels, mask = make_batch([c], embed, t2d, 4096)
+        t = features.shape[1]
+        logits = head.unrolled_logits(features, embeds, cos[:t], sin[:t], depth)
+        hits = torch.stack([(lg.argmax(-1) == labels)[0] for lg in logits])  # [depth, T]
+        for v in mask[0].nonzero().flatten().tolist():
+            a = 0
+            while a < depth and v + a < t and mask[0, v + a] and bool(hits[a, v + a]):
+                reached[a] += 1
+                a += 1
+            accepted_total += a
+            positions += 1
+    mean = accepted_total / max(positions, 1)
+    return {"positions": positions, "mean_accepted": round(mean, 3),
+            "tokens_per_verification": round(mean + 1, 3),
+            "accepted_at_depth": [round(r / max(positions, 1), 3) for r in reached]}

@@ -1,0 +1,244 @@
+"""The draft head: its maths against references, its files, its errors, serving and
+training on a tiny random model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from quickdraft.engine.backend import select_backend
+from quickdraft.engine.config import EngineConfig
+from quickdraft.engine.models.llama import ModelShape
+from quickdraft.spec.draft_head import (
+    DraftHead,
+    DraftHeadConfig,
+    DraftHeadError,
+    find_head,
+    load_head,
+    model_fingerprint,
+    save_head,
+    unrolled_attention,
+)
+from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
+from quickdraft.spec.draft_head_train import TrainConfig, run
+from tests.conftest import make_tiny_model
+
+
+def small_config(**overrides: object) -> DraftHeadConfig:
+    fields: dict[str, object] = dict(
+        target_fingerprint="0" * 16, target_vocab_size=100, hidden_size=32, num_heads=4,
+        num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-5,
+        aux_layers=(1, 2, 3), draft_vocab_size=40)
+    fields.update(overrides)
+    return DraftHeadConfig(**fields)  # type: ignore[arg-type]
+
+
+def reference_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                        scale: float) -> torch.Tensor:
+    """Query by query: step j's query at t sees step-0 keys at s <= t - j and step i's key
+    at t - j + i (i = 1..j)."""
+    j = len(keys) - 1
+    b, t, heads, d = q.shape
+    group = heads // keys[0].shape[2]
+    out = torch.zeros_like(q)
+    for bi in range(b):
+        for ti in range(t):
+            for h in range(heads):
+                kh = h // group
+                ks = [keys[0][bi, s, kh] for s in range(0, ti - j + 1)]
+                vs = [values[0][bi, s, kh] for s in range(0, ti - j + 1)]
+                for i in range(1, j + 1):
+                    pos = ti - j + i
+                    if pos >= 0:
+                        ks.append(keys[i][bi, pos, kh])
+                        vs.append(values[i][bi, pos, kh])
+                scores = torch.stack([q[bi, ti, h] @ k for k in ks]) * scale
+                out[bi, ti, h] = torch.softmax(scores, 0) @ torch.stack(vs)
+    return out
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_unrolled_attention_matches_reference(steps: int) -> None:
+    g = torch.Generator().manual_seed(steps)
+    q = torch.randn(2, 7, 4, 8, generator=g, dtype=torch.float64)
+    keys = [torch.randn(2, 7, 2, 8, generator=g, dtype=torch.float64) for _ in range(steps)]
+    values = [torch.randn(2, 7, 2, 8, generator=g, dtype=torch.float64) for _ in range(steps)]
+    got = unrolled_attention(q, keys, values, 0.3)
+    torch.testing.assert_close(got, reference_attention(q, keys, values, 0.3))
+
+
+def test_save_and_load_are_bit_identical(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    head = DraftHead(small_config())
+    for p in head.parameters():
+        torch.nn.init.normal_(p.data)
+    head.draft_to_target.copy_(torch.randperm(100)[:40])
+    for dtype in (torch.float32, torch.bfloat16):
+        save_head(head, tmp_path / str(dtype), dtype)
+        loaded = load_head(tmp_path / str(dtype))
+        for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items(),
+                                     strict=True):
+            expect = a.to(dtype) if a.is_floating_point() else a
+            assert b.dtype == expect.dtype and torch.equal(b, expect), name
+        save_head(loaded, tmp_path / "again", dtype)
+        assert (tmp_path / "again" / "draft_head.safetensors").read_bytes() == \
+            (tmp_path / str(dtype) / "draft_head.safetensors").read_bytes()
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(DraftHeadError) as err:
+        small_config(draft_vocab_size=200)
+    assert err.value.field == "draft_vocab_size"
+    with pytest.raises(DraftHeadError) as err:
+        small_config(aux_layers=(1, 2))
+    assert err.value.field == "aux_layers"
+    with pytest.raises(DraftHeadError) as err:
+        DraftHeadConfig.from_json(small_config().to_json().replace('"head_dim"', '"x"'))
+    assert err.value.field in ("x", "head_dim")
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("head-target"), default_model_dir,
+                           num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The training command's pipeline end to end on the tiny model (seconds)."""
+    out = tmp_path_factory.mktemp("head")
+    report = run(TrainConfig(out_dir=out, work_dir=out / "work", model=str(tiny_target),
+                             num_prompts=12, num_second_stage=4, num_eval_prompts=3,
+                             max_new_tokens=20, draft_vocab_size=512, epochs=4, batch_size=3,
+                             ttt_steps=2, warmup_steps=2, checkpoint_every=2))
+    return out, report
+
+
+def test_training_runs_end_to_end_and_lowers_the_loss(trained: tuple[Path, dict]) -> None:
+    out, report = trained
+    assert report["optimizer_steps"] > 4
+    assert report["loss_last"] < report["loss_first"]
+    assert (out / "draft_head.safetensors").is_file()
+    assert 0 <= report["eval"]["mean_accepted"] <= 5
+
+
+def test_training_resumes_without_redoing_finished_stages(
+        trained: tuple[Path, dict], tiny_target: Path) -> None:
+    out, report = trained
+    again = run(TrainConfig(out_dir=out, work_dir=out / "work", model=str(tiny_target),
+                            num_prompts=12, num_second_stage=4, num_eval_prompts=3,
+                            max_new_tokens=20, draft_vocab_size=512, epochs=4, batch_size=3,
+                            ttt_steps=2, warmup_steps=2, checkpoint_every=2))
+    assert again["optimizer_steps"] == report["optimizer_steps"]
+    assert again["train_conversations"] == report["train_conversations"]
+
+
+def test_head_for_another_target_is_refused(trained: tuple[Path, dict],
+                                            default_model_dir: Path) -> None:
+    out, _ = trained
+    from quickdraft.engine import loader
+
+    shape = ModelShape.from_config(loader.load_config(default_model_dir))
+    with pytest.raises(DraftHeadError) as err:
+        find_head(str(out), default_model_dir, shape)
+    assert err.value.field == "hidden_size"
+
+
+def test_paged_drafting_equals_the_unrolled_training_form(trained: tuple[Path, dict],
+                                                          tiny_target: Path) -> None:
+    """The runner's catch-up + chain over the paged cache computes what the training form
+    computes for the same positions: train and serve agree."""
+    from quickdraft.engine import loader
+    from quickdraft.engine.model_runner import load_model
+
+    out, _ = trained
+    config = EngineConfig(model=str(tiny_target), dtype="float32")
+    backend = select_backend(config)
+    target = load_model(tiny_target, loader.load_config(tiny_target), torch.float32, 256,
+                        backend)
+    head = load_head(out, torch.float32)
+    runner = DraftHeadRunner(head, target, 16, backend, torch.Generator().manual_seed(0))
+    runner.allocate(8)
+    g = torch.Generator().manual_seed(1)
+    n = 12  # positions 0..n-1 verified; drafting from position n - 1
+    feats = torch.randn(n, 3 * head.config.hidden_size, generator=g)
+    tokens = head.draft_to_target[torch.randint(0, 512, (n + 4,), generator=g)].tolist()
+    inp = HeadInput(feats, tokens[1:n + 1], 0, 3, tuple(range(4)),
+                    _greedy(), None, tree=False)
+    chain = runner.propose([inp])[0].tree.token_ids
+    # training form: teacher-forced with the chain's own tokens after position n
+    embeds = target.embed_tokens[torch.tensor(tokens[1:n + 1] + list(chain[:-1]))]
+    features = torch.cat([feats, torch.zeros(len(chain) - 1, feats.shape[1])])
+    t = features.shape[0]
+    logits = head.unrolled_logits(features[None], embeds[None], target.rotary.cos[:t],
+                                  target.rotary.sin[:t], len(chain))
+    expect = [int(head.draft_to_target[logits[j][0, n - 1 + j].argmax()])
+              for j in range(len(chain))]
+    assert list(chain) == expect
+
+
+def _greedy():  # noqa: ANN202
+    from quickdraft.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0)
+
+
+def test_fingerprint_ignores_the_writing_tool(tmp_path: Path, tiny_target: Path) -> None:
+    import json
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_target, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["transformers_version"] = "0.0.0"
+    (copy / "config.json").write_text(json.dumps(config))
+    assert model_fingerprint(copy) == model_fingerprint(tiny_target)
+    config["hidden_size"] += 1
+    (copy / "config.json").write_text(json.dumps(config))
+    assert model_fingerprint(copy) != model_fingerprint(tiny_target)
+
+
+def test_head_q_keeps_the_target_distribution(trained: tuple[Path, dict],
+                                              tiny_target: Path) -> None:
+    """Rejection sampling of the head's own q (its filtered draft-vocabulary softmax) emits
+    the target's distribution: chi-square over 4000 draws."""
+    from quickdraft.engine.sampler import SamplingBatch
+    from quickdraft.engine.sampling_params import SamplingParams
+    from quickdraft.spec.rejection_sampler import rejection_sample
+
+    out, _ = trained
+    config = EngineConfig(model=str(tiny_target), dtype="float32")
+    backend = select_backend(config)
+    from quickdraft.engine import loader
+    from quickdraft.engine.model_runner import load_model
+
+    target = load_model(tiny_target, loader.load_config(tiny_target), torch.float32, 256,
+                        backend)
+    runner = DraftHeadRunner(load_head(out, torch.float32), target, 16, backend,
+                             torch.Generator().manual_seed(0))
+    vocab = runner.vocab_size
+    g = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=1.0, top_k=8, seed=0)
+    inp = HeadInput(torch.zeros(1, 1), [0], 0, 1, (0,), params, g)
+    head_logits = torch.randn(runner.head.config.draft_vocab_size, generator=g) * 3
+    log_q = torch.log_softmax(head_logits, 0)
+    target_logits = torch.full((vocab,), -1e9)
+    support = runner.draft_to_target[torch.topk(head_logits, 12).indices]
+    target_logits[support] = torch.randn(12, generator=g)
+    p = torch.softmax(target_logits, 0)
+    counts = torch.zeros(vocab)
+    for _ in range(4000):
+        token, q = runner.sample_child(log_q, inp)
+        batch = SamplingBatch([SamplingParams(temperature=1.0, seed=None)], [g], [[0]], [[]],
+                              g)
+        res = rejection_sample(target_logits.repeat(2, 1), [[token]], q[None], batch)
+        counts[res.token_ids[0][0]] += 1
+    expected = p * 4000
+    mask = expected > 5
+    chi2 = float((((counts - expected) ** 2) / expected.clamp_min(1e-9))[mask].sum())
+    dof = int(mask.sum()) - 1
+    assert counts[~mask].sum() < 20
+    assert chi2 < dof + 4 * math.sqrt(2 * dof)
