@@ -12,6 +12,7 @@ import torch
 from quickdraft.engine.backend import select_backend
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.models.llama import ModelShape
+from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec.draft_head import (
     DraftHead,
     DraftHeadConfig,
@@ -41,7 +42,7 @@ def reference_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[
     """Query by query: step j's query at t sees step-0 keys at s <= t - j and step i's key
     at t - j + i (i = 1..j)."""
     j = len(keys) - 1
-    b, t, heads, d = q.shape
+    b, t, heads, _d = q.shape
     group = heads // keys[0].shape[2]
     out = torch.zeros_like(q)
     for bi in range(b):
@@ -180,9 +181,7 @@ def test_paged_drafting_equals_the_unrolled_training_form(trained: tuple[Path, d
     assert list(chain) == expect
 
 
-def _greedy():  # noqa: ANN202
-    from quickdraft.engine.sampling_params import SamplingParams
-
+def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0)
 
 
@@ -206,7 +205,6 @@ def test_head_q_keeps_the_target_distribution(trained: tuple[Path, dict],
     """Rejection sampling of the head's own q (its filtered draft-vocabulary softmax) emits
     the target's distribution: chi-square over 4000 draws."""
     from quickdraft.engine.sampler import SamplingBatch
-    from quickdraft.engine.sampling_params import SamplingParams
     from quickdraft.spec.rejection_sampler import rejection_sample
 
     out, _ = trained
