@@ -30,15 +30,20 @@ def add_draft_head_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
     train.add_argument("--second-stage", type=int, default=600,
                        help="prompts built from the target's own answers")
     train.add_argument("--eval-prompts", type=int, default=48, help="held-apart prompts")
-    train.add_argument("--max-new-tokens", type=int, default=256)
-    train.add_argument("--concurrency", type=int, default=16)
-    train.add_argument("--draft-vocab", type=int, default=4096)
-    train.add_argument("--epochs", type=float, default=2.0)
-    train.add_argument("--batch-size", type=int, default=4)
+    train.add_argument("--max-new-tokens", type=int, default=256,
+                       help="longest target answer in tokens")
+    train.add_argument("--concurrency", type=int, default=16,
+                       help="answers generated at once")
+    train.add_argument("--draft-vocab", type=int, default=4096,
+                       help="draft vocabulary: the most frequent answer tokens")
+    train.add_argument("--epochs", type=float, default=2.0, help="passes over the data")
+    train.add_argument("--batch-size", type=int, default=4,
+                       help="conversations per optimiser step")
     train.add_argument("--ttt-steps", type=int, default=3,
                        help="training-time-test unroll steps")
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
+    train.add_argument("--seed", type=int, default=0,
+                       help="prompt order, data order and initialisation")
     train.add_argument("--max-train-minutes", type=float, default=None,
                        help="stop training after this long (the result then depends on speed)")
     train.add_argument("--threads", type=int, default=None, help="CPU threads")
