@@ -62,7 +62,7 @@ def main() -> int:
                      fmt(tree * 1e3, 3), fmt(tree / step, 3)])
     info = machine_info()
     out = {"machine": info, "threads": args.threads, "k": args.k,
-           "head": engine.runner.aux_layers and str(engine.config.draft_head), "rows": data}
+           "head": str(args.draft_head), "rows": data}
     write_json(out, RESULTS_DIR / "draft_head_cost.json")
     fig, ax = new_figure()
     xs = range(len(data))

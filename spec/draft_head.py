@@ -36,7 +36,6 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -329,9 +328,3 @@ def find_head(setting: str | None, model_dir: Path, shape: ModelShape) -> DraftH
     head = load_head(Path(setting).expanduser())
     head.config.check_target(shape, fingerprint)
     return head
-
-
-def describe(head: DraftHead) -> dict[str, Any]:
-    params = sum(p.numel() for p in head.parameters())
-    return {"parameters": params, "draft_vocab": head.config.draft_vocab_size,
-            "aux_layers": list(head.config.aux_layers)}

@@ -27,7 +27,7 @@ SUITES = ["tests/kernels/test_cpu_fused.py", "tests/kernels/test_cpu_gemv.py",
 # Tree speculation end to end too: tree rows through the native int4 layer and the masked C
 # kernel must stay token for token on the AVX2 int4 matmul.
 AVX2_ONLY = ["tests/engine/test_batch_invariance.py", "tests/engine/test_int4_weights.py",
-             "tests/spec/test_tree_engine.py"]
+             "tests/spec/test_tree_engine.py", "tests/spec/test_head_engine.py"]
 _ORDER = ["default", "avx2", "avx512"]
 
 
