@@ -68,3 +68,19 @@ def linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), weight.packed, GROUP,
                                                    weight.scales_and_zeros)
     return y if y.dtype is x.dtype else y.to(x.dtype)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round a dense ``[out, in]`` matrix to 4 bits per weight in groups of 32 (GGUF Q4_1's
+    scheme: per group ``d = (max − min) / 15``, ``m = min``, ``q = round((w − m) / d)``), so
+    every weight moves by at most ``d / 2``. Returns ``(q [out, in] uint8, d, m
+    [out, in / 32] fp32)`` for :func:`pack`."""
+    out, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"in_features {k} is not a multiple of {GROUP}")
+    groups = weight.detach().float().reshape(out, k // GROUP, GROUP)
+    low = groups.amin(dim=-1)  # [out, in / 32]
+    d = (groups.amax(dim=-1) - low) / 15.0
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((groups - low[..., None]) / safe[..., None]).clamp_(0, 15)
+    return q.to(torch.uint8).reshape(out, k), d, low

@@ -41,6 +41,9 @@ def add_draft_head_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
                        help="conversations per optimiser step")
     train.add_argument("--ttt-steps", type=int, default=3,
                        help="training-time-test unroll steps")
+    train.add_argument("--hard-labels", action="store_true",
+                       help="train on the target's argmax only (default: its top-8 "
+                            "distribution)")
     train.add_argument("--lr", type=float, default=1e-3, help="AdamW peak learning rate")
     train.add_argument("--seed", type=int, default=0,
                        help="prompt order, data order and initialisation")
@@ -62,7 +65,8 @@ def run_train(args: argparse.Namespace) -> int:
         num_prompts=args.prompts, num_second_stage=args.second_stage,
         num_eval_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens,
         concurrency=args.concurrency, draft_vocab_size=args.draft_vocab, epochs=args.epochs,
-        batch_size=args.batch_size, ttt_steps=args.ttt_steps, lr=args.lr, seed=args.seed,
+        batch_size=args.batch_size, ttt_steps=args.ttt_steps,
+        soft_labels=not args.hard_labels, lr=args.lr, seed=args.seed,
         max_train_minutes=args.max_train_minutes)
     report = run(config)
     print(json.dumps({"head": str(args.out), "eval": report["eval"],

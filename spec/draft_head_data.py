@@ -4,11 +4,14 @@
 and appends ``{"prompt", "prompt_ids", "output_ids"}`` lines to a JSONL file; a rerun skips
 the prompts already answered (resumable). :func:`capture_features` feeds each conversation
 (prompt + answer) through the target once and keeps, per position ``t``, the concatenated
-aux-layer residual streams ``features[t]`` (bf16) and the target's argmax ``argmax[t]`` (what
-greedy verification accepts after ``tokens[:t + 1]``), saved in shards.
+aux-layer residual streams ``features[t]`` (bf16), the target's argmax ``argmax[t]`` (what
+greedy verification accepts after ``tokens[:t + 1]``) and its ``TOP_K`` most likely next
+tokens with their probabilities (the soft label: more signal per token than the argmax),
+saved in shards.
 
 A training example at position ``t`` is then: features ``features[t]``, input token
-``tokens[t + 1]``, label ``argmax[t + 1]``; losses only on the answer's positions.
+``tokens[t + 1]``, label ``argmax[t + 1]`` (soft: ``top_ids/top_probs[t + 1]``); losses only
+on the answer's positions.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from tqdm import tqdm
 from quickdraft.engine.models.llama import LlamaForCausalLM
 from quickdraft.engine.step_plan import StepPlan
 
+TOP_K = 8  # soft-label tokens kept per position
+
 
 @dataclass
 class Conversation:
@@ -34,6 +39,8 @@ class Conversation:
     features: torch.Tensor  # [n, 3h] bf16
     argmax: torch.Tensor  # [n] int64: the target's greedy next token after tokens[:t+1]
     prompt_len: int
+    top_ids: torch.Tensor | None = None  # [n, TOP_K] int64: its most likely next tokens
+    top_probs: torch.Tensor | None = None  # [n, TOP_K] float: their probabilities
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -95,13 +102,16 @@ def generate_answers(engine: Any, prompts: list[str], out_path: Path, max_tokens
 @torch.inference_mode()
 def capture_one(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                 tokens: list[int], aux_layers: tuple[int, ...], chunk: int = 512,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(features [n, 3h] bf16, argmax [n])`` of one sequence, prefilled in chunks into
-    ``kv_caches`` from block 0 (no request may be using them)."""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(features [n, 3h] bf16, argmax [n], top_ids [n, TOP_K], top_probs [n, TOP_K] fp16)``
+    of one sequence, prefilled in chunks into ``kv_caches`` from block 0 (no request may be
+    using them)."""
     n = len(tokens)
     table = list(range(-(-n // block_size)))
     feats: list[torch.Tensor] = []
     argmax: list[torch.Tensor] = []
+    top_ids: list[torch.Tensor] = []
+    top_probs: list[torch.Tensor] = []
     for start in range(0, n, chunk):
         feed = tokens[start:start + chunk]
         plan = StepPlan.from_feeds([feed], [start], [table])
@@ -112,8 +122,12 @@ def capture_one(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_si
         assert aux is not None
         feats.append(aux.to(torch.bfloat16).cpu())
         for rows in hidden.split(128):
-            argmax.append(model.compute_logits(rows).argmax(-1).cpu())
-    return torch.cat(feats), torch.cat(argmax)
+            logits = model.compute_logits(rows).float()  # [rows, vocab]
+            argmax.append(logits.argmax(-1).cpu())
+            top = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
+            top_ids.append(top.indices.cpu())
+            top_probs.append(top.values.to(torch.float16).cpu())
+    return torch.cat(feats), torch.cat(argmax), torch.cat(top_ids), torch.cat(top_probs)
 
 
 def capture_features(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
@@ -137,9 +151,11 @@ def capture_features(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], blo
         items = []
         for row in shard:
             tokens = (row["prompt_ids"] + row["output_ids"])[:max_len]
-            features, argmax = capture_one(model, kv_caches, block_size, tokens, aux_layers)
+            features, argmax, top_ids, top_probs = capture_one(model, kv_caches, block_size,
+                                                               tokens, aux_layers)
             items.append({"tokens": torch.tensor(tokens, dtype=torch.int32),
                           "features": features, "argmax": argmax.to(torch.int32),
+                          "top_ids": top_ids.to(torch.int32), "top_probs": top_probs,
                           "prompt_len": len(row["prompt_ids"])})
             bar.update(len(row["prompt_ids"]) + len(row["output_ids"]))
         tmp = path.with_suffix(".tmp")
@@ -152,8 +168,11 @@ def capture_features(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], blo
 def load_conversations(paths: list[Path]) -> Iterator[Conversation]:
     for path in paths:
         for item in torch.load(path, weights_only=True):
+            top_ids = item.get("top_ids")  # absent from shards of older captures
             yield Conversation(item["tokens"].long(), item["features"],
-                               item["argmax"].long(), int(item["prompt_len"]))
+                               item["argmax"].long(), int(item["prompt_len"]),
+                               None if top_ids is None else top_ids.long(),
+                               item.get("top_probs"))
 
 
 def token_counts(rows: list[dict[str, Any]], vocab_size: int,

@@ -60,6 +60,7 @@ class TrainConfig:
     batch_size: int = 4  # conversations per optimiser step
     max_seq_len: int = 768
     ttt_steps: int = 3
+    soft_labels: bool = True  # train on the target's top-k distribution, not its argmax
     lr: float = 1e-3
     warmup_steps: int = 20
     seed: int = 0
@@ -199,6 +200,27 @@ def make_batch(items: list[Conversation], embed: torch.Tensor, t2d: torch.Tensor
     return features, embeds, labels, mask
 
 
+def soft_labels(items: list[Conversation], t2d: torch.Tensor, mask: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The target's top-k next-token distribution at each batch position, as
+    ``(draft ids [B, T, K] (0 where unused), probs [B, T, K] (0 outside the draft vocabulary
+    and off the loss mask))``, aligned with :func:`make_batch`'s labels; None when a
+    conversation was captured without it."""
+    if any(c.top_ids is None or c.top_probs is None for c in items):
+        return None
+    b, t = mask.shape
+    k = items[0].top_ids.shape[1]  # type: ignore[union-attr]
+    ids = torch.zeros(b, t, k, dtype=torch.int64)
+    probs = torch.zeros(b, t, k)
+    for row, c in enumerate(items):
+        n = min(len(c.tokens) - 1, t)
+        draft = t2d[c.top_ids[1:n + 1]]  # type: ignore[index]
+        ids[row, :n] = draft.clamp(min=0)
+        probs[row, :n] = c.top_probs[1:n + 1].float() * (draft >= 0)  # type: ignore[index]
+    probs[~mask] = 0.0
+    return ids, probs
+
+
 def train(head_config: DraftHeadConfig, target: LlamaForCausalLM, draft_vocab: torch.Tensor,
           data: list[Conversation], config: TrainConfig, work: Path,
           ) -> tuple[DraftHead, int, list[float]]:
@@ -236,7 +258,8 @@ def train(head_config: DraftHeadConfig, target: LlamaForCausalLM, draft_vocab: t
     head.train()
     while step < total and time.monotonic() < deadline:
         items = [data[i] for i in plan[step]]
-        features, embeds, labels, _mask = make_batch(items, embed, t2d, config.max_seq_len)
+        features, embeds, labels, mask = make_batch(items, embed, t2d, config.max_seq_len)
+        soft = soft_labels(items, t2d, mask) if config.soft_labels else None
         t = features.shape[1]
         logits = head.unrolled_logits(features, embeds, cos[:t], sin[:t], config.ttt_steps)
         loss = torch.zeros(())
@@ -244,9 +267,15 @@ def train(head_config: DraftHeadConfig, target: LlamaForCausalLM, draft_vocab: t
         for j, step_logits in enumerate(logits):
             lab = labels.clone()
             lab[:, :j] = -100  # no input from step j - 1 there
-            loss = loss + STEP_DECAY ** j * F.cross_entropy(
-                step_logits.reshape(-1, step_logits.shape[-1]), lab.reshape(-1),
-                ignore_index=-100)
+            if soft is None:
+                step_loss = F.cross_entropy(step_logits.reshape(-1, step_logits.shape[-1]),
+                                            lab.reshape(-1), ignore_index=-100)
+            else:  # cross-entropy against the target's (truncated) distribution
+                ids, probs = soft
+                log_q = torch.log_softmax(step_logits.float(), dim=-1).gather(-1, ids)
+                weight = probs[:, j:]
+                step_loss = -(weight * log_q[:, j:]).sum() / (mask[:, j:].sum() + 1e-6)
+            loss = loss + STEP_DECAY ** j * step_loss
             valid = lab != -100
             accs.append(float((step_logits.argmax(-1) == lab)[valid].float().mean())
                         if valid.any() else 0.0)

@@ -72,3 +72,26 @@ def test_pack_rejects_bad_shapes():
     assert cpu_int4.supports(960, 576) and not cpu_int4.supports(33, 64)
     with pytest.raises(ValueError):
         cpu_int4.pack(q, d[:, :1], m)
+
+
+@pytest.mark.parametrize(("out", "k"), [(960, 576), (64, 1536)])
+def test_quantize_moves_each_weight_by_at_most_half_a_step(out, k):
+    """Q4_1-style rounding: every weight within d/2 of its group's grid, codes 0..15, and
+    the packed matrix multiplies like the dequantized one."""
+    w = torch.randn(out, k, generator=torch.Generator().manual_seed(out)) * 0.05
+    w[0, :32] = 0.25  # a constant group: d = 0, exact
+    q, d, m = cpu_int4.quantize(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and d.shape == (out, k // 32)
+    back = _dense(q, d, m)
+    step = d.repeat_interleave(32, dim=1)
+    assert bool(((back - w).abs() <= step / 2 + 1e-7).all())
+    assert torch.equal(back[0, :32], w[0, :32])
+    x = torch.randn(4, k).bfloat16()
+    exact = x.float() @ back.t()
+    y = cpu_int4.linear(x, cpu_int4.pack(q, d, m)).float()
+    torch.testing.assert_close(y, exact, rtol=0.02, atol=0.02 * float(exact.abs().max()))
+
+
+def test_quantize_refuses_a_ragged_row():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_int4.quantize(torch.zeros(16, 40))

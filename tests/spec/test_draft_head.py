@@ -240,3 +240,38 @@ def test_head_q_keeps_the_target_distribution(trained: tuple[Path, dict],
     dof = int(mask.sum()) - 1
     assert counts[~mask].sum() < 20
     assert chi2 < dof + 4 * math.sqrt(2 * dof)
+
+
+def test_soft_labels_align_with_the_hard_labels() -> None:
+    """The soft label at a batch position is the target's top-k distribution of the token
+    the hard label names (top-1 = argmax), mapped to draft ids, zero off the loss mask and
+    outside the draft vocabulary."""
+    from quickdraft.spec.draft_head_data import Conversation
+    from quickdraft.spec.draft_head_train import make_batch, soft_labels
+
+    g = torch.Generator().manual_seed(3)
+    n, vocab, k = 9, 20, 4
+    top_ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(n)])
+    top_probs = torch.softmax(torch.randn(n, k, generator=g), -1).sort(descending=True).values
+    conv = Conversation(torch.randint(0, vocab, (n,), generator=g), torch.randn(n, 6),
+                        top_ids[:, 0].clone(), 3, top_ids, top_probs.half())
+    draft_vocab = torch.arange(0, vocab, 2)  # even ids only
+    t2d = torch.full((vocab,), -100, dtype=torch.int64)
+    t2d[draft_vocab] = torch.arange(len(draft_vocab))
+    _f, _e, labels, mask = make_batch([conv], torch.randn(vocab, 4), t2d, 64)
+    soft = soft_labels([conv], t2d, mask)
+    assert soft is not None
+    ids, probs = soft
+    assert not bool(probs[~mask].any())
+    for t in mask[0].nonzero().flatten().tolist():
+        for j in range(k):
+            token = int(top_ids[t + 1, j])
+            if token % 2:
+                assert float(probs[0, t, j]) == 0.0
+            else:
+                assert int(ids[0, t, j]) == token // 2
+                assert float(probs[0, t, j]) == float(top_probs[t + 1, j].half())
+        if int(labels[0, t]) != -100:
+            assert int(ids[0, t, 0]) == int(labels[0, t])
+    conv.top_ids = None  # an older capture: hard labels only
+    assert soft_labels([conv], t2d, mask) is None
