@@ -96,3 +96,44 @@ def test_sampled_requests_verify_head_chains(target: Path, head_dir: Path) -> No
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]  # seeded
     assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
     assert spec.kv.num_free_blocks == free
+
+
+def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
+                                                    default_model_dir: Path) -> None:
+    """Where the target runs on 4-bit weights (the default model in bf16), the head's
+    matrices are rounded to 4 bits too; greedy output still equals no speculation. The head
+    is untrained (random drafts, nearly all rejected): exactness cannot lean on good drafts."""
+    import torch
+
+    from quickdraft.engine import loader
+    from quickdraft.engine.models.llama import ModelShape
+    from quickdraft.kernels import cpu_int4
+    from quickdraft.spec.draft_head import (
+        DraftHead,
+        DraftHeadConfig,
+        model_fingerprint,
+        save_head,
+    )
+
+    if not cpu_int4.available():
+        pytest.skip("no CPU int4 ops in this torch")
+    shape = ModelShape.from_config(loader.load_config(default_model_dir))
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(shape, model_fingerprint(default_model_dir),
+                                                512))
+    save_head(head, tmp_path)
+
+    def engine(speculation: str, draft_head: str | None) -> LLMEngine:
+        return LLMEngine(EngineConfig(dtype="bfloat16", weights="int4", draft_head=draft_head,
+                                      speculation=speculation, measure_step_cost=False),
+                         progress=False)
+
+    plain, spec = engine("off", None), engine("head", str(tmp_path))
+    assert spec.head is not None and spec.head.kernel == "int4"
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    free = spec.kv.num_free_blocks
+    for prompt in PROMPTS[:3]:
+        want = plain.generate([prompt], params)[0].token_ids
+        assert spec.generate([prompt], params)[0].token_ids == want
+    assert spec.kv.num_free_blocks == free
+    assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
