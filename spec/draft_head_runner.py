@@ -13,12 +13,13 @@ pending, target features known for positions ``< n - 1``):
    ``(fc(features[p]), x_{p+1})`` for ``p`` in ``[d, n - 1)``; the last row's output ``o``
    gives the distribution of the first draft. Now ``d = n - 1``.
 2. rounds: a best-first search over tree nodes scored by the product of the head's
-   probabilities along their path. Each round takes up to ``EXPAND`` best candidates into
-   the tree and feeds them (with their parent's ``o`` and their token) to learn their
-   children. A round feeds the request's root pair again at ``base = n - 2`` followed by
-   every node fed so far, in order, with an ancestor mask (``tree_mask``: the paged kernels'
-   tree attention), so row ``i`` writes slot ``base + i`` (inside the ``k`` reserved
-   slots), and is rotated at ``base`` + its depth.
+   probabilities along their path. Each round takes the best ``k // (ROUNDS + 1)``
+   candidates into the tree and feeds them (with their parent's ``o`` and their token,
+   rotated at ``base`` + depth, ``base = n - 2`` the root pair's position) to learn their
+   children. Only the new nodes are computed: their K/V stay in the search (never in the
+   paged cache, so the reserved slots are untouched and nothing unverified is cached) and
+   each attends to the request's cached positions ``[0, base]`` plus its own path (tree
+   attention in torch: a round has a handful of rows).
 3. fill: the best remaining candidates complete the tree to ``k`` nodes (leaves).
 
 Greedy requests get a tree; sampled requests a chain drawn from the head's own ``q`` (the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,10 +46,30 @@ from quickdraft.kernels import cpu_int4, torch_ops
 from quickdraft.spec.draft_head import DraftHead
 from quickdraft.spec.token_tree import TokenTree
 
-EXPAND = 4  # nodes fed per round and request
 ROUNDS = 3  # rounds after the catch-up (so a tree is at most ROUNDS + 1 deep)
 CHILDREN = 4  # candidates taken from each fed node's distribution
 HEAD_LINEARS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
+INT4_MAX_ROWS = 4  # torch's int4 CPU kernel costs ~a GEMV per row: dense beyond this
+
+
+class HeadLinear(torch.nn.Module):
+    """One of the head's matrices on the fastest kernel for the row count: its 4-bit copy
+    for the few rows of drafting rounds, the dense weight (bf16 GEMV kernel or torch) for
+    catch-ups after a prefill. Rows need not be batch-invariant here: drafts are verified."""
+
+    def __init__(self, weight: torch.Tensor, int4: cpu_int4.Int4Weight | None,
+                 gemv: Any) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [out, in]
+        self.int4 = int4
+        self.gemv = gemv  # (x, weight, bias) -> y, or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            return cpu_int4.linear(x, self.int4)
+        if self.gemv is not None:
+            return self.gemv(x, self.weight, None)
+        return torch.nn.functional.linear(x, self.weight)
 
 
 @dataclass(frozen=True)
@@ -93,23 +115,20 @@ class DraftHeadRunner:
 
     def _use_target_kernels(self, target: LlamaForCausalLM) -> str:
         """Run the head's matrices the way the target runs its own (chosen by measurement at
-        start-up, :mod:`engine.weight_format`): on 4-bit copies (rounded here, Q4_1-style:
-        the head then reads ~4 MB a forward instead of ~15) when the target's layers use
-        int4, through the bf16 GEMV kernel when they use that, else plain torch. Lossless
-        either way: drafts are verified. Returns the kernel's name."""
+        start-up, :mod:`engine.weight_format`): when the target's layers use int4, drafting
+        rounds (<= ``INT4_MAX_ROWS`` rows) multiply by 4-bit copies (rounded here,
+        Q4_1-style: ~4 MB read a forward instead of ~15); dense rows go through the bf16 GEMV
+        kernel when the target uses it, else plain torch. Lossless either way: drafts are
+        verified. Returns the kernel's name."""
         ref = next((m for m in target.layers.modules() if isinstance(m, Linear)), None)
         if ref is None or (not ref.use_int4 and ref.gemv is None):
             return "torch"
         kind = "int4" if ref.use_int4 else "gemv"
         for name in HEAD_LINEARS:
-            dense = getattr(self.head, name)
-            out, k = dense.weight.shape
-            fast = Linear(out, k, False, dense.weight.dtype, weight=dense.weight)
-            if kind == "int4" and cpu_int4.supports(out, k):
-                fast.int4, fast.use_int4 = cpu_int4.pack(*cpu_int4.quantize(dense.weight)), True
-            elif ref.gemv is not None:
-                fast.enable_cpu_fast_path(ref.gemv)
-            setattr(self.head, name, fast)
+            weight = getattr(self.head, name).weight.detach()
+            int4 = (cpu_int4.pack(*cpu_int4.quantize(weight))
+                    if kind == "int4" and cpu_int4.supports(*weight.shape) else None)
+            setattr(self.head, name, HeadLinear(weight, int4, ref.gemv))
         return kind
 
     @property
@@ -127,24 +146,67 @@ class DraftHeadRunner:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
-                 ) -> torch.Tensor:
-        """One head layer over a flat batch: ``hidden [R, h]`` (fused features or parent
-        outputs), the rows' tokens and plan -> outputs ``o [R, h]``."""
+    def _qkv(self, hidden: torch.Tensor, token_ids: list[int], positions: list[int],
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's rotated ``q [R, H, D]``, ``k``, ``v [R, KVH, D]`` for rows of ``hidden
+        [R, h]`` (fused features or parent outputs) with their tokens and positions."""
         device = self.embed.device
         head = self.head
         ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         emb = torch.nn.functional.embedding(ids, self.embed)  # [R, h]
         qkv = head.qkv(head.layer_input(hidden, emb))  # [R, q + 2kv]
         q, k, v = qkv.split([head.q_size, head.kv_size, head.kv_size], dim=-1)
-        cos, sin = self.rotary.cos_sin(torch.tensor(plan.positions, device=device))
+        cos, sin = self.rotary.cos_sin(torch.tensor(positions, device=device))
         q = torch_ops.rope_neox(q.reshape(-1, self.heads, self.head_dim), cos, sin)
         k = torch_ops.rope_neox(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
-        meta = plan.attention_metadata(self.block_size, device)
-        self.attention.write_kv(k, v.reshape(-1, self.kv_heads, self.head_dim), self.kv_cache,
-                                meta.slot_mapping)
+        return q, k, v.reshape(-1, self.kv_heads, self.head_dim)
+
+    def _forward(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
+                 ) -> torch.Tensor:
+        """One head layer over a flat batch of verified pairs, writing their K/V into the
+        paged cache: ``hidden [R, h]`` -> outputs ``o [R, h]``."""
+        q, k, v = self._qkv(hidden, token_ids, plan.positions)
+        meta = plan.attention_metadata(self.block_size, self.embed.device)
+        self.attention.write_kv(k, v, self.kv_cache, meta.slot_mapping)
         attn = self.attention.paged_attention(q, self.kv_cache, meta, self.scale)  # [R, H, D]
-        return head.finish_layer(attn.reshape(-1, head.q_size), hidden)
+        return self.head.finish_layer(attn.reshape(-1, self.head.q_size), hidden)
+
+    def _context(self, inp: HeadInput, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's cached ``(k, v) [length, KVH, D]`` of a request's positions
+        ``[0, length)`` (verified pairs, written by catch-ups)."""
+        bs = self.block_size
+        pos = torch.arange(length, device=self.embed.device)
+        table = torch.tensor(inp.block_table, device=self.embed.device)
+        slots = table[pos // bs] * bs + pos % bs
+        flat = self.kv_cache.view(2, -1, self.kv_heads, self.head_dim)
+        return flat[0, slots], flat[1, slots]
+
+    def _tree_attention(self, q: torch.Tensor, s: _Search, nodes: list[int]) -> torch.Tensor:
+        """Attention of tree ``nodes``' queries ``q [r, H, D]`` over the request's context
+        (verified positions up to the root pair's) and each node's own path (its ancestors
+        and itself, K/V in ``s.keys``/``s.values``), as the paged tree kernels would see it
+        had the nodes been fed after the root. -> ``[r, H, D]``."""
+        assert s.context is not None
+        k_ctx, v_ctx = s.context
+        order = list(s.keys)  # fed nodes, in feeding order
+        keys = torch.cat([k_ctx, torch.stack([s.keys[n] for n in order])]).float()
+        values = torch.cat([v_ctx, torch.stack([s.values[n] for n in order])]).float()
+        index = {n: i for i, n in enumerate(order)}
+        visible = torch.zeros(len(nodes), len(order), dtype=torch.bool)
+        for row, node in enumerate(nodes):
+            cur = node
+            while cur >= 0:
+                visible[row, index[cur]] = True
+                cur = s.parents[cur]
+        mask = torch.cat([torch.ones(len(nodes), k_ctx.shape[0], dtype=torch.bool), visible],
+                         dim=1).to(q.device)  # [r, L + F]
+        group = self.heads // self.kv_heads
+        keys = keys.repeat_interleave(group, dim=1)  # [L + F, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("rhd,lhd->hrl", q.float(), keys) * self.scale
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        out = torch.einsum("hrl,lhd->rhd", torch.softmax(scores, dim=-1), values)
+        return out.to(q.dtype)
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V_d] float32
         return torch.log_softmax(self.head.logits(out).float(), dim=-1)
@@ -165,38 +227,36 @@ class DraftHeadRunner:
         fused = head.fc(features)  # [R, h]
         out = self._forward(fused, plan.input_ids, plan)
         last = torch.tensor(plan.logits_indices, device=device)
-        roots = [_Search(inp, fused[row], out[row]) for inp, row in
+        roots = [_Search(inp, out[row]) for inp, row in
                  zip(inputs, plan.logits_indices, strict=True)]
         first = self._log_probs(out[last])  # [A, V_d]
         for search, lp in zip(roots, first, strict=True):
             search.expand(-1, lp, self)
-        # 2. rounds: feed the best candidates, learn their children
+        # 2. rounds: feed the best candidates (outside the paged cache), learn their children
         rounds = max(ROUNDS if s.branching else s.inp.k - 1 for s in roots)
         for _ in range(rounds):
             active = [s for s in roots if s.take_round()]
             if not active:
                 break
-            feeds, starts, tables, hidden_rows, masks, positions = [], [], [], [], [], []
             for s in active:
-                feeds.append([s.inp.next_token_ids[-1], *(s.tokens[n] for n in s.fed)])
-                base = s.inp.start_pos + len(s.inp.next_token_ids) - 1  # the root pair's
-                starts.append(base)
-                tables.append(s.inp.block_table)
-                hidden_rows += [s.root_hidden, *(s.parent_out(n) for n in s.fed)]
-                masks += s.row_masks()
-                positions += [base, *(base + s.depth[n] for n in s.fed)]
-            flat = StepPlan.from_feeds(feeds, starts, tables)
-            plan = StepPlan(flat.input_ids, positions, flat.query_start_loc, flat.seq_lens,
-                            flat.block_tables, flat.logits_indices, flat.sample_requests,
-                            masks)
-            out = self._forward(torch.stack(hidden_rows), plan.input_ids, plan)
-            new_rows = [(s, node, first_row + 1 + i)
-                        for s, first_row in zip(active, plan.query_start_loc, strict=False)
-                        for i, node in enumerate(s.fed) if node in s.pending]
-            lps = self._log_probs(out[torch.tensor([r for _, _, r in new_rows],
-                                                   device=device)])
-            for (s, node, row), lp in zip(new_rows, lps, strict=True):
-                s.outputs[node] = out[row]
+                if s.context is None:  # positions up to the root pair's, written above
+                    s.context = self._context(s.inp, s.base + 1)
+            rows = [(s, node) for s in active for node in s.pending]
+            q, k, v = self._qkv(torch.stack([s.parent_out(n) for s, n in rows]),
+                                [s.tokens[n] for s, n in rows],
+                                [s.base + s.depth[n] for s, n in rows])
+            for i, (s, node) in enumerate(rows):
+                s.keys[node], s.values[node] = k[i], v[i]
+            attn, start = [], 0
+            for s in active:
+                r = len(s.pending)
+                attn.append(self._tree_attention(q[start:start + r], s, s.pending))
+                start += r
+            hidden = torch.stack([s.parent_out(n) for s, n in rows])
+            out = head.finish_layer(torch.cat(attn).reshape(len(rows), head.q_size), hidden)
+            lps = self._log_probs(out)
+            for i, ((s, node), lp) in enumerate(zip(rows, lps, strict=True)):
+                s.outputs[node] = out[i]
                 s.expand(node, lp, self)
             for s in active:
                 s.pending.clear()
@@ -237,20 +297,21 @@ class DraftHeadRunner:
 class _Search:
     """One request's best-first tree search (host side)."""
 
-    def __init__(self, inp: HeadInput, root_hidden: torch.Tensor, root_out: torch.Tensor,
-                 ) -> None:
+    def __init__(self, inp: HeadInput, root_out: torch.Tensor) -> None:
         self.inp = inp
         self.greedy = inp.sampling_params.greedy
         self.branching = self.greedy and inp.tree
-        self.root_hidden = root_hidden  # fc(features) of the root pair
-        self.root_out = root_out
+        self.root_out = root_out  # the root pair's output: the first draft's distribution
+        self.base = inp.start_pos + len(inp.next_token_ids) - 1  # the root pair's position
+        self.context: tuple[torch.Tensor, torch.Tensor] | None = None  # head K/V [0, base]
+        self.keys: dict[int, torch.Tensor] = {}  # fed node -> its K [KVH, D] (feed order)
+        self.values: dict[int, torch.Tensor] = {}
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depth: list[int] = []
         self.scores: list[float] = []  # log-probability of the node's path
         self.q: list[torch.Tensor] = []  # sampled chains: the head's q per node
         self.outputs: dict[int, torch.Tensor] = {}  # fed node -> its output o
-        self.fed: list[int] = []
         self.pending: list[int] = []  # fed this round, children not known yet
         self.heap: list[tuple[float, int, int, int]] = []  # (-score, order, parent, token)
         self._order = 0
@@ -294,20 +355,7 @@ class _Search:
             node = self._add_best()
             if len(self.tokens) < k:  # room for its children: feed it (at most k - 1 fed)
                 self.pending.append(node)
-                self.fed.append(node)
         return bool(self.pending)
-
-    def row_masks(self) -> list[int]:
-        """Ancestor bitmasks of the rows ``[root, *fed]`` (bit 0: the root)."""
-        index = {node: i + 1 for i, node in enumerate(self.fed)}
-        masks = [1]
-        for node in self.fed:
-            m, cur = 1, node
-            while cur >= 0:
-                m |= 1 << index[cur]
-                cur = self.parents[cur]
-            masks.append(m)
-        return masks
 
     def finish(self) -> HeadOutput:
         while self.heap and len(self.tokens) < self.inp.k:
