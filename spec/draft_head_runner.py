@@ -90,6 +90,7 @@ class HeadInput:
 class HeadOutput:
     tree: TokenTree  # at most k nodes (a chain for sampled requests)
     probs: torch.Tensor | None  # [nodes, vocab] the head's q (sampled requests), else None
+    scores: tuple[float, ...] = ()  # greedy: each node's path log-probability under the head
 
 
 class DraftHeadRunner:
@@ -172,14 +173,15 @@ class DraftHeadRunner:
         return self.head.finish_layer(attn.reshape(-1, self.head.q_size), hidden)
 
     def _context(self, inp: HeadInput, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's cached ``(k, v) [length, KVH, D]`` of a request's positions
-        ``[0, length)`` (verified pairs, written by catch-ups)."""
+        """The head's cached ``(k, v)`` of a request's positions ``[0, length)`` (verified
+        pairs, written by catch-ups) as float32 ``[KVH, length, D]``."""
         bs = self.block_size
         pos = torch.arange(length, device=self.embed.device)
         table = torch.tensor(inp.block_table, device=self.embed.device)
         slots = table[pos // bs] * bs + pos % bs
         flat = self.kv_cache.view(2, -1, self.kv_heads, self.head_dim)
-        return flat[0, slots], flat[1, slots]
+        kv = flat[:, slots].float().transpose(1, 2)  # [2, KVH, length, D]
+        return kv[0], kv[1]
 
     def _tree_attention(self, q: torch.Tensor, s: _Search, nodes: list[int]) -> torch.Tensor:
         """Attention of tree ``nodes``' queries ``q [r, H, D]`` over the request's context
@@ -187,10 +189,10 @@ class DraftHeadRunner:
         and itself, K/V in ``s.keys``/``s.values``), as the paged tree kernels would see it
         had the nodes been fed after the root. -> ``[r, H, D]``."""
         assert s.context is not None
-        k_ctx, v_ctx = s.context
+        k_ctx, v_ctx = s.context  # [KVH, L, D]
         order = list(s.keys)  # fed nodes, in feeding order
-        keys = torch.cat([k_ctx, torch.stack([s.keys[n] for n in order])]).float()
-        values = torch.cat([v_ctx, torch.stack([s.values[n] for n in order])]).float()
+        keys = torch.cat([k_ctx, torch.stack([s.keys[n] for n in order], 1).float()], 1)
+        values = torch.cat([v_ctx, torch.stack([s.values[n] for n in order], 1).float()], 1)
         index = {n: i for i, n in enumerate(order)}
         visible = torch.zeros(len(nodes), len(order), dtype=torch.bool)
         for row, node in enumerate(nodes):
@@ -198,15 +200,14 @@ class DraftHeadRunner:
             while cur >= 0:
                 visible[row, index[cur]] = True
                 cur = s.parents[cur]
-        mask = torch.cat([torch.ones(len(nodes), k_ctx.shape[0], dtype=torch.bool), visible],
+        mask = torch.cat([torch.ones(len(nodes), k_ctx.shape[1], dtype=torch.bool), visible],
                          dim=1).to(q.device)  # [r, L + F]
-        group = self.heads // self.kv_heads
-        keys = keys.repeat_interleave(group, dim=1)  # [L + F, H, D]
-        values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("rhd,lhd->hrl", q.float(), keys) * self.scale
-        scores = scores.masked_fill(~mask[None], float("-inf"))
-        out = torch.einsum("hrl,lhd->rhd", torch.softmax(scores, dim=-1), values)
-        return out.to(q.dtype)
+        r, group = len(nodes), self.heads // self.kv_heads
+        qg = q.float().view(r, self.kv_heads, group, self.head_dim)
+        scores = torch.einsum("rkgd,kld->kgrl", qg, keys) * self.scale  # [KVH, G, r, L + F]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.einsum("kgrl,kld->rkgd", torch.softmax(scores, dim=-1), values)
+        return out.reshape(r, self.heads, self.head_dim).to(q.dtype)
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V_d] float32
         return torch.log_softmax(self.head.logits(out).float(), dim=-1)
@@ -362,4 +363,4 @@ class _Search:
             self._add_best()
         tree = TokenTree(tuple(self.tokens), tuple(self.parents))
         probs = torch.stack(self.q[:len(self.tokens)]) if self.q and self.tokens else None
-        return HeadOutput(tree, probs)
+        return HeadOutput(tree, probs, tuple(self.scores) if self.greedy else ())

@@ -181,6 +181,56 @@ def test_paged_drafting_equals_the_unrolled_training_form(trained: tuple[Path, d
     assert list(chain) == expect
 
 
+def test_tree_nodes_draft_what_their_own_path_predicts(trained: tuple[Path, dict],
+                                                      tiny_target: Path) -> None:
+    """Tree drafting: every node's children are among the top candidates the training form
+    gives for the node's own path, with the path log-probability it gives (its ancestors
+    only: siblings and cousins fed in the same rounds must not leak into its attention)."""
+    from quickdraft.engine import loader
+    from quickdraft.engine.model_runner import load_model
+    from quickdraft.spec.draft_head_runner import CHILDREN
+
+    out, _ = trained
+    backend = select_backend(EngineConfig(model=str(tiny_target), dtype="float32"))
+    target = load_model(tiny_target, loader.load_config(tiny_target), torch.float32, 256,
+                        backend)
+    head = load_head(out, torch.float32)
+    runner = DraftHeadRunner(head, target, 16, backend, torch.Generator().manual_seed(0))
+    runner.allocate(8)
+    g = torch.Generator().manual_seed(2)
+    n = 10
+    feats = torch.randn(n, 3 * head.config.hidden_size, generator=g)
+    tokens = head.draft_to_target[torch.randint(0, 512, (n + 1,), generator=g)].tolist()
+    drafted = runner.propose([HeadInput(feats, tokens[1:n + 1], 0, 12, tuple(range(4)),
+                                        _greedy(), None)])[0]
+    tree, scores = drafted.tree, drafted.scores
+    parents = list(tree.parents)
+    assert max(parents) >= 0 and len(set(parents)) < len(parents)  # deep and branching
+    for node in [-1, *range(len(parents))]:
+        children = {tree.token_ids[c] for c, p in enumerate(parents) if p == node}
+        if not children:
+            continue
+        path, cur = [], node
+        while cur >= 0:
+            path.insert(0, tree.token_ids[cur])
+            cur = parents[cur]
+        m = len(path)
+        embeds = target.embed_tokens[torch.tensor(tokens[1:n + 1] + path)]
+        features = torch.cat([feats, torch.zeros(m, feats.shape[1])])
+        t = features.shape[0]
+        logits = head.unrolled_logits(features[None], embeds[None], target.rotary.cos[:t],
+                                      target.rotary.sin[:t], m + 1)[m][0, n - 1 + m]
+        top = set(head.draft_to_target[logits.topk(CHILDREN).indices].tolist())
+        assert children <= top, (node, path)
+        log_probs = torch.log_softmax(logits.detach(), -1)
+        to_draft = {int(t): i for i, t in enumerate(head.draft_to_target.tolist())}
+        for c, p in enumerate(parents):
+            if p == node:
+                want = (scores[node] if node >= 0 else 0.0) + float(
+                    log_probs[to_draft[tree.token_ids[c]]])
+                assert scores[c] == pytest.approx(want, abs=1e-4), (c, path)
+
+
 def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0)
 
