@@ -245,6 +245,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--model", default=None, help="model dir, .gguf or fetched name")
     p.add_argument("--draft-model", default=None, help="draft for the draft/combined methods")
+    p.add_argument("--draft-head", default="auto",
+                   help="draft head for the head/combined methods: auto (a shipped head "
+                        "trained on this model), none, or a head directory")
     p.add_argument("--prompts", type=Path, default=PROMPTS_PATH)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--kernel-backend", default="auto", choices=list(KERNEL_BACKENDS),
@@ -267,6 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--methods: 'off' first, then some of {list(SPEC_METHODS)[1:]}")
     if "draft" in args.methods and not args.draft_model:
         p.error("the draft method needs --draft-model")
+    if "head" in args.methods and args.draft_head == "none":
+        p.error("the head method needs a draft head (--draft-head auto or a directory)")
     all_prompts = load_prompts(args.prompts)
     if args.prompts_per_category:
         all_prompts = {c: v[:args.prompts_per_category] for c, v in all_prompts.items()}
@@ -285,6 +290,7 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
     uses_draft = bool({"draft", "combined"} & set(args.methods)) and bool(args.draft_model)
     config = EngineConfig(model=args.model, dtype=args.dtype,
                           draft_model=args.draft_model if uses_draft else None,
+                          draft_head=args.draft_head,
                           max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
                           speculation="combined" if uses_draft else "ngram",
                           num_threads=args.threads, device=args.device,
@@ -416,6 +422,7 @@ def report(args: argparse.Namespace, info: dict[str, Any], engine: LLMEngine,
         "config": {
             "model": args.model, "model_dir": engine.info.model_dir,
             "draft_model": cfg.draft_model, "methods": args.methods,
+            "draft_head": cfg.draft_head,
             "dtype": args.dtype, "concurrency": concs, "max_tokens": n,
             "repeats": repeats, "repeats_requested": args.repeats, "categories": cats,
             "greedy": True, "ignore_eos": False,
