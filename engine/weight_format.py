@@ -29,7 +29,8 @@ from quickdraft.engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-Q4_CACHE_FILE = "q4_weights-v1.safetensors"  # beside the converted checkpoint; bump on change
+DERIVED_FILE_PREFIX = "q4_weights"  # files quickdraft derives beside a checkpoint
+Q4_CACHE_FILE = f"{DERIVED_FILE_PREFIX}-v1.safetensors"  # bump the version on change
 
 
 @dataclass(frozen=True)

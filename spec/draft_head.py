@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from quickdraft.engine.models.llama import ModelShape
+from quickdraft.engine.weight_format import DERIVED_FILE_PREFIX
 from quickdraft.kernels import torch_ops
 
 CONFIG_NAME = "draft_head.json"
@@ -137,13 +138,17 @@ class DraftHeadConfig:
 def model_fingerprint(model_dir: Path) -> str:
     """A short digest naming a target model's weights: its config (less the fields naming
     the tools that wrote it), and each weight file's name, size, safetensors header and
-    first and last MiB (cheap, and any retrained or requantised checkpoint differs there)."""
+    first and last MiB (cheap, and any retrained or requantised checkpoint differs there).
+    Caches quickdraft derives beside the weights (the 4-bit copy, written on first use) are
+    not the model and are left out: the digest is the same before and after them."""
     digest = hashlib.sha256()
     config = json.loads((model_dir / "config.json").read_text())
     for key in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
         config.pop(key, None)
     digest.update(json.dumps(config, sort_keys=True).encode())
     for path in sorted(model_dir.glob("*.safetensors")):
+        if path.name.startswith(DERIVED_FILE_PREFIX):
+            continue
         size = path.stat().st_size
         digest.update(f"{path.name}:{size}".encode())
         with path.open("rb") as f:

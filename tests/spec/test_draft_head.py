@@ -245,6 +245,11 @@ def test_fingerprint_ignores_the_writing_tool(tmp_path: Path, tiny_target: Path)
     config["transformers_version"] = "0.0.0"
     (copy / "config.json").write_text(json.dumps(config))
     assert model_fingerprint(copy) == model_fingerprint(tiny_target)
+    from quickdraft.engine.weight_format import Q4_CACHE_FILE
+
+    (copy / Q4_CACHE_FILE).write_bytes(b"derived on first use")  # a cache, not the model
+    (copy / "q4_weights.safetensors").write_bytes(b"an older cache version")
+    assert model_fingerprint(copy) == model_fingerprint(tiny_target)
     config["hidden_size"] += 1
     (copy / "config.json").write_text(json.dumps(config))
     assert model_fingerprint(copy) != model_fingerprint(tiny_target)
