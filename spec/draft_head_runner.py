@@ -243,8 +243,8 @@ class DraftHeadRunner:
                 if s.context is None:  # positions up to the root pair's, written above
                     s.context = self._context(s.inp, s.base + 1)
             rows = [(s, node) for s in active for node in s.pending]
-            q, k, v = self._qkv(torch.stack([s.parent_out(n) for s, n in rows]),
-                                [s.tokens[n] for s, n in rows],
+            hidden = torch.stack([s.parent_out(n) for s, n in rows])  # [r, h]
+            q, k, v = self._qkv(hidden, [s.tokens[n] for s, n in rows],
                                 [s.base + s.depth[n] for s, n in rows])
             for i, (s, node) in enumerate(rows):
                 s.keys[node], s.values[node] = k[i], v[i]
@@ -253,7 +253,6 @@ class DraftHeadRunner:
                 r = len(s.pending)
                 attn.append(self._tree_attention(q[start:start + r], s, s.pending))
                 start += r
-            hidden = torch.stack([s.parent_out(n) for s, n in rows])
             out = head.finish_layer(torch.cat(attn).reshape(len(rows), head.q_size), hidden)
             lps = self._log_probs(out)
             for i, ((s, node), lp) in enumerate(zip(rows, lps, strict=True)):

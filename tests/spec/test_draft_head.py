@@ -11,7 +11,7 @@ import torch
 
 from quickdraft.engine.backend import select_backend
 from quickdraft.engine.config import EngineConfig
-from quickdraft.engine.models.llama import ModelShape
+from quickdraft.engine.models.llama import LlamaForCausalLM, ModelShape
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec.draft_head import (
     DraftHead,
@@ -148,21 +148,40 @@ def test_head_for_another_target_is_refused(trained: tuple[Path, dict],
     assert err.value.field == "hidden_size"
 
 
-def test_paged_drafting_equals_the_unrolled_training_form(trained: tuple[Path, dict],
-                                                          tiny_target: Path) -> None:
-    """The runner's catch-up + chain over the paged cache computes what the training form
-    computes for the same positions: train and serve agree."""
+def _served_head(out: Path, tiny_target: Path,
+                 ) -> tuple[LlamaForCausalLM, DraftHead, DraftHeadRunner]:
+    """The tiny target and the trained head in fp32, with a runner over 8 blocks of 16."""
     from quickdraft.engine import loader
     from quickdraft.engine.model_runner import load_model
 
-    out, _ = trained
-    config = EngineConfig(model=str(tiny_target), dtype="float32")
-    backend = select_backend(config)
+    backend = select_backend(EngineConfig(model=str(tiny_target), dtype="float32"))
     target = load_model(tiny_target, loader.load_config(tiny_target), torch.float32, 256,
                         backend)
     head = load_head(out, torch.float32)
     runner = DraftHeadRunner(head, target, 16, backend, torch.Generator().manual_seed(0))
     runner.allocate(8)
+    return target, head, runner
+
+
+def _unrolled(target: LlamaForCausalLM, head: DraftHead, feats: torch.Tensor,
+              next_tokens: list[int], drafts: list[int]) -> torch.Tensor:
+    """The training form's logits ``[len(drafts) + 1, V_d]`` of drafting ``j + 1`` tokens
+    past the last verified position (features ``feats [n, 3h]``, the tokens after each
+    position ``next_tokens``), teacher-forced with ``drafts``."""
+    n, m = feats.shape[0], len(drafts)
+    embeds = target.embed_tokens[torch.tensor(next_tokens + drafts)]
+    features = torch.cat([feats, torch.zeros(m, feats.shape[1])])
+    t = features.shape[0]
+    logits = head.unrolled_logits(features[None], embeds[None], target.rotary.cos[:t],
+                                  target.rotary.sin[:t], m + 1)
+    return torch.stack([logits[j][0, n - 1 + j] for j in range(m + 1)])
+
+
+def test_paged_drafting_equals_the_unrolled_training_form(trained: tuple[Path, dict],
+                                                          tiny_target: Path) -> None:
+    """The runner's catch-up + chain over the paged cache computes what the training form
+    computes for the same positions: train and serve agree."""
+    target, head, runner = _served_head(trained[0], tiny_target)
     g = torch.Generator().manual_seed(1)
     n = 12  # positions 0..n-1 verified; drafting from position n - 1
     feats = torch.randn(n, 3 * head.config.hidden_size, generator=g)
@@ -171,13 +190,8 @@ def test_paged_drafting_equals_the_unrolled_training_form(trained: tuple[Path, d
                     _greedy(), None, tree=False)
     chain = runner.propose([inp])[0].tree.token_ids
     # training form: teacher-forced with the chain's own tokens after position n
-    embeds = target.embed_tokens[torch.tensor(tokens[1:n + 1] + list(chain[:-1]))]
-    features = torch.cat([feats, torch.zeros(len(chain) - 1, feats.shape[1])])
-    t = features.shape[0]
-    logits = head.unrolled_logits(features[None], embeds[None], target.rotary.cos[:t],
-                                  target.rotary.sin[:t], len(chain))
-    expect = [int(head.draft_to_target[logits[j][0, n - 1 + j].argmax()])
-              for j in range(len(chain))]
+    logits = _unrolled(target, head, feats, tokens[1:n + 1], list(chain[:-1]))
+    expect = [int(head.draft_to_target[logits[j].argmax()]) for j in range(len(chain))]
     assert list(chain) == expect
 
 
@@ -186,17 +200,9 @@ def test_tree_nodes_draft_what_their_own_path_predicts(trained: tuple[Path, dict
     """Tree drafting: every node's children are among the top candidates the training form
     gives for the node's own path, with the path log-probability it gives (its ancestors
     only: siblings and cousins fed in the same rounds must not leak into its attention)."""
-    from quickdraft.engine import loader
-    from quickdraft.engine.model_runner import load_model
     from quickdraft.spec.draft_head_runner import CHILDREN
 
-    out, _ = trained
-    backend = select_backend(EngineConfig(model=str(tiny_target), dtype="float32"))
-    target = load_model(tiny_target, loader.load_config(tiny_target), torch.float32, 256,
-                        backend)
-    head = load_head(out, torch.float32)
-    runner = DraftHeadRunner(head, target, 16, backend, torch.Generator().manual_seed(0))
-    runner.allocate(8)
+    target, head, runner = _served_head(trained[0], tiny_target)
     g = torch.Generator().manual_seed(2)
     n = 10
     feats = torch.randn(n, 3 * head.config.hidden_size, generator=g)
@@ -214,12 +220,7 @@ def test_tree_nodes_draft_what_their_own_path_predicts(trained: tuple[Path, dict
         while cur >= 0:
             path.insert(0, tree.token_ids[cur])
             cur = parents[cur]
-        m = len(path)
-        embeds = target.embed_tokens[torch.tensor(tokens[1:n + 1] + path)]
-        features = torch.cat([feats, torch.zeros(m, feats.shape[1])])
-        t = features.shape[0]
-        logits = head.unrolled_logits(features[None], embeds[None], target.rotary.cos[:t],
-                                      target.rotary.sin[:t], m + 1)[m][0, n - 1 + m]
+        logits = _unrolled(target, head, feats, tokens[1:n + 1], path)[len(path)]
         top = set(head.draft_to_target[logits.topk(CHILDREN).indices].tolist())
         assert children <= top, (node, path)
         log_probs = torch.log_softmax(logits.detach(), -1)
