@@ -112,7 +112,8 @@ def measure_bandwidth(when: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- output
 
-SYSTEMS = {"int4": "quickdraft int4 (GGUF blocks)", "bf16": "quickdraft bf16 (dense)",
+SYSTEMS = {"int4q8": "quickdraft int4-q8 (GGUF blocks, 8-bit activations)",
+           "int4": "quickdraft int4 (GGUF blocks, torch kernel)", "bf16": "quickdraft bf16 (dense)",
            "hf": "HF generate bf16"}
 
 
@@ -152,19 +153,18 @@ def plot(data: dict[str, Any], path: Path, title: str) -> None:
 
 def tables(data: dict[str, Any]) -> str:
     results, present = data["results"], [k for k in SYSTEMS if k in data["results"][0]]
+    q = next((k for k in ("int4q8", "int4") if k in present), "int4")  # the fastest 4-bit
     main = markdown_table(
-        ["batch", *[f"{SYSTEMS[k]} tok/s" for k in present], "int4/bf16", "int4/HF", "floor"],
+        ["batch", *[f"{SYSTEMS[k]} tok/s" for k in present], f"{q}/bf16", f"{q}/HF", "floor"],
         [[r["batch"], *[r[k]["decode_tok_s"] for k in present],
-          r["int4"]["decode_tok_s"] / r["bf16"]["decode_tok_s"]
-          if "int4" in r and "bf16" in r else None,
-          r["int4"]["decode_tok_s"] / r["hf"]["decode_tok_s"] if "int4" in r and "hf" in r
-          else None,
+          r[q]["decode_tok_s"] / r["bf16"]["decode_tok_s"] if q in r and "bf16" in r else None,
+          r[q]["decode_tok_s"] / r["hf"]["decode_tok_s"] if q in r and "hf" in r else None,
           r["floor_tok_s"]] for r in results])
     lc = data["llama_cpp"]
     peer = (f"llama.cpp {lc['version']} (same GGUF, {lc['threads']} threads), batch 1: "
-            f"{fmt(lc['decode_tok_s'])} tok/s; quickdraft int4 / llama.cpp = "
-            f"{fmt(results[0]['int4']['decode_tok_s'] / lc['decode_tok_s'])}"
-            if lc.get("decode_tok_s") and "int4" in results[0] else
+            f"{fmt(lc['decode_tok_s'])} tok/s; quickdraft {q} / llama.cpp = "
+            f"{fmt(results[0][q]['decode_tok_s'] / lc['decode_tok_s'])}"
+            if lc.get("decode_tok_s") and q in results[0] else
             f"llama.cpp: {lc.get('skipped', 'not run')}")
     rows = next(iter(data["row_cost"].values()))["rows"]
     curve = markdown_table(
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {machine_summary(info)}", file=sys.stderr)
     bandwidth_runs = [measure_bandwidth("before")]
 
-    engines = {k: e for k, e in (("int4", _engine(args, "int4")),
+    engines = {k: e for k, e in (("int4q8", _engine(args, "int4-q8")),
+                                 ("int4", _engine(args, "int4")),
                                  ("bf16", _engine(args, "dense"))) if e is not None}
     base = next(iter(engines.values()))
     model_dir = base.info.model_dir
@@ -306,8 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     contention: dict[str, Any] = {}
     if args.contention:
         print("decode beside a busy process ...", file=sys.stderr)
-        key = "int4" if "int4" in engines else "bf16"
-        fixed = _engine(args, "int4" if key == "int4" else "dense",
+        key = next(k for k in ("int4q8", "int4", "bf16") if k in engines)
+        fixed = _engine(args, {"int4q8": "int4-q8", "int4": "int4", "bf16": "dense"}[key],
                         num_threads=info["usable_cores"])
         assert fixed is not None
         contention = decode_beside_busy_process(

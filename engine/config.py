@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 SPECULATION_METHODS = ("auto", "off", "ngram", "suffix", "recycling", "draft", "head",
                        "combined")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
-WEIGHT_FORMATS = ("auto", "int4", "dense")
+WEIGHT_FORMATS = ("auto", "int4-q8", "int4", "dense")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 # Names of torch dtypes (this module stays torch-free: the CLI imports it for --help).
 DTYPES = ("float32", "bfloat16", "float16")

@@ -2,12 +2,15 @@
 
 A model converted from a GGUF (``engine.loader``) keeps the path of its source in the cache
 marker. When that file holds 4-bit layer matrices (``engine.gguf_quant``: Q4_1, Q4_0,
-Q4_K), the CPU bf16 engine can run them natively (``kernels.cpu_int4``): 4.5 bits a weight
-instead of 16. Whether that is faster depends on the CPU (the issue that asked for it
-measured torch's int4 kernel about 3x slower on AVX2-only machines than on AVX512-BF16
-ones; with torch forced to its AVX2 kernels on an AVX512-BF16 machine, auto chose dense), so
-``weights="auto"`` times one decode step each way at start-up and keeps the faster;
-``"int4"`` forces it (an error where it cannot run) and ``"dense"`` never uses it. The
+Q4_K), the CPU bf16 engine can run them natively, 4.5-5 bits a weight instead of 16, on one
+of two kernels: ``"int4-q8"`` (``kernels.cpu_q4q8``: activations rounded to 8 bits per block
+of 32 as llama.cpp does, exact integer block products, an extra row of a verification step
+costs a fraction of a decode step) or ``"int4"`` (torch's int4 kernel, bf16 activations,
+about one decode step per extra row). Which is fastest depends on the CPU (torch's int4
+kernel is about 3x slower on AVX2-only machines than on AVX512-BF16 ones), so
+``weights="auto"`` times a 1-row decode step plus a 4-row verification step each way at
+start-up and keeps the fastest; ``"int4-q8"`` / ``"int4"`` force one (an error where it
+cannot run) and ``"dense"`` never uses 4-bit weights. The
 decision and its reason go to the start-up log, ``/health`` (``"weights"``) and the
 ``quickdraft serve`` start-up lines. Dense weights stay loaded: the LM head and embedding
 are dense in any case (SmolLM2's tied embedding is Q8_0, not a 4-bit format).
@@ -29,13 +32,16 @@ from quickdraft.engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
+# the 4-bit formats, fastest first on the machines measured, and their kernel
+# (engine.models.llama.FOUR_BIT_KERNELS)
+KERNEL_OF = {"int4-q8": "q8", "int4": "torch"}
 DERIVED_FILE_PREFIX = "q4_weights"  # files quickdraft derives beside a checkpoint
 Q4_CACHE_FILE = f"{DERIVED_FILE_PREFIX}-v1.safetensors"  # bump the version on change
 
 
 @dataclass(frozen=True)
 class WeightChoice:
-    format: str  # "int4" | "dense"
+    format: str  # "int4-q8" | "int4" | "dense"
     reason: str
     int4_layers: int = 0  # linear layers running on 4-bit weights
     native_layers: int = 0  # decoder layers run in one native call each (kernels.cpu_layer)
@@ -57,18 +63,20 @@ def gguf_source(model_dir: Path | None) -> Path | None:
     return source if source.is_file() else None
 
 
-def _why_not(runner: Any, model_dir: Path | None) -> str | None:
-    """Why the int4 path cannot run here (None: it can)."""
-    from quickdraft.kernels import cpu_int4
+def _why_not(runner: Any, model_dir: Path | None, kernel: str) -> str | None:
+    """Why 4-bit weights on ``kernel`` ("torch" or "q8") cannot run here (None: they can)."""
+    from quickdraft.kernels import cpu_int4, cpu_q4q8
 
     if runner.device.type != "cpu":
-        return f"the model runs on {runner.device.type}, the int4 kernel is CPU-only"
+        return f"the model runs on {runner.device.type}, the 4-bit kernels are CPU-only"
     if runner.dtype != torch.bfloat16:
-        return f"dtype {runner.config.dtype} (the int4 kernel computes in bfloat16)"
+        return f"dtype {runner.config.dtype} (the 4-bit kernels compute in bfloat16)"
     if runner.backend.name != "torch":
         return f"kernel backend {runner.backend.name}"
-    if not cpu_int4.available():
+    if kernel == "torch" and not cpu_int4.available():
         return "this torch build has no CPU int4 kernel"
+    if kernel == "q8" and not cpu_q4q8.available():
+        return "the q4q8 kernel is not built here (gcc or AVX2/FMA/F16C missing)"
     if gguf_source(model_dir) is None:
         return "the model was not loaded from a GGUF file (or the file has moved)"
     return None
@@ -79,31 +87,44 @@ def choose(runner: Any, model_dir: Path | None, hf_config: Any, requested: str,
     """Apply the weight format to ``runner.model`` and say which one and why."""
     if requested == "dense":
         return WeightChoice("dense", "dense weights requested (--weights dense)")
-    reason = _why_not(runner, model_dir)
-    if reason is not None:
-        if requested == "int4":
-            raise ConfigError(f"--weights int4 cannot run here: {reason}")
-        return WeightChoice("dense", f"int4 not possible: {reason}")
+    wanted = [requested] if requested != "auto" else list(KERNEL_OF)
+    possible = {fmt: _why_not(runner, model_dir, KERNEL_OF[fmt]) for fmt in wanted}
+    candidates = [fmt for fmt, reason in possible.items() if reason is None]
+    if not candidates:
+        reason = "; ".join(f"{fmt}: {why}" for fmt, why in possible.items())
+        if requested != "auto":
+            raise ConfigError(f"--weights {requested} cannot run here: {reason}")
+        return WeightChoice("dense", f"4-bit weights not possible: {reason}")
     source = gguf_source(model_dir)
     assert source is not None and model_dir is not None
     q4 = _q4_weights(source, Path(model_dir), hf_config)
-    layers = runner.model.attach_int4_weights(q4)
-    if layers == 0:
-        if requested == "int4":
-            raise ConfigError(f"--weights int4: {source.name} has no Q4_0/Q4_1/Q4_K layer "
-                              "matrices")
-        return WeightChoice("dense", f"{source.name} has no Q4_0/Q4_1/Q4_K layer matrices")
-    if requested == "int4":
+    if requested != "auto":
+        layers = runner.model.attach_int4_weights(q4, KERNEL_OF[requested])
+        if layers == 0:
+            raise ConfigError(f"--weights {requested}: {source.name} has no Q4_0/Q4_1/Q4_K "
+                              "layer matrices")
         runner.model.use_int4(True)
-        return WeightChoice("int4", "int4 weights requested (--weights int4)", layers)
-    int4_ms, dense_ms = _time_both(runner, repeats)
-    faster = int4_ms < dense_ms
-    runner.model.use_int4(faster)
-    if not faster:
+        return WeightChoice(requested, f"{requested} weights requested (--weights "
+                            f"{requested})", layers)
+    times = {"dense": _time(runner, repeats)}
+    layers = 0
+    for fmt in candidates:
+        layers = runner.model.attach_int4_weights(q4, KERNEL_OF[fmt])
+        if layers == 0:
+            return WeightChoice("dense", f"{source.name} has no Q4_0/Q4_1/Q4_K layer matrices")
+        runner.model.use_int4(True)
+        times[fmt] = _time(runner, repeats)
+        runner.model.use_int4(False)
+    best = min(times, key=times.__getitem__)
+    if best == "dense":
         runner.model.attach_int4_weights({})  # drop the packed copies
-    why = (f"measured a batch-1 decode step: int4 {int4_ms:.2f} ms, dense bf16 "
-           f"{dense_ms:.2f} ms")
-    return WeightChoice("int4" if faster else "dense", why, layers if faster else 0)
+    else:
+        if best != candidates[-1]:  # the last one timed is still attached
+            runner.model.attach_int4_weights(q4, KERNEL_OF[best])
+        runner.model.use_int4(True)
+    why = ("measured a 1-row decode step + a 4-row verification step: "
+           + ", ".join(f"{fmt} {ms:.2f} ms" for fmt, ms in times.items()))
+    return WeightChoice(best, why, layers if best != "dense" else 0)
 
 
 def _q4_weights(source: Path, model_dir: Path, hf_config: Any) -> dict[str, Any]:
@@ -127,14 +148,10 @@ def _q4_weights(source: Path, model_dir: Path, hf_config: Any) -> dict[str, Any]
     return q4
 
 
-def _time_both(runner: Any, repeats: int) -> tuple[float, float]:
-    """Median ms of a 1-token forward with int4 and with dense weights, interleaved."""
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for use in (True, False):  # warm-up
-        runner.model.use_int4(use)
-        runner.time_forward(1)
-    for _ in range(repeats):
-        for use in (True, False):
-            runner.model.use_int4(use)
-            times[use].append(runner.time_forward(1) * 1e3)
-    return statistics.median(times[True]), statistics.median(times[False])
+def _time(runner: Any, repeats: int) -> float:
+    """Median ms of a 1-token forward plus a 4-token one (a decode step and a verification
+    of 3 drafts: the 4-bit kernels differ most in what an extra row costs)."""
+    runner.time_forward(1)  # warm-up
+    runner.time_forward(4)
+    return statistics.median(
+        (runner.time_forward(1) + runner.time_forward(4)) * 1e3 for _ in range(repeats))

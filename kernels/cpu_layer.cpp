@@ -5,17 +5,19 @@
 // result is bit-identical; only the ~30 Python-level calls a layer are gone:
 //
 //   h, r   = add_rms_norm(x, residual, ln1)          (rms_norm(x), x on the first layer)
-//   qkv    = int4_mm(h, qkv_w) (+ qkv_bias)           [T, (H + 2 KVH) * D]
+//   qkv    = mm(h, qkv_w) (+ qkv_bias)                [T, (H + 2 KVH) * D]
 //   rope in place on the q and k columns of qkv
 //   out    = write_kv_and_attend(qkv, kv_cache, metadata)   [T, H * D]
-//   h2     = int4_mm(out, o_w)
+//   h2     = mm(out, o_w)
 //   h3, r  = add_rms_norm(h2, r, ln2)
-//   y      = int4_mm(silu_mul(int4_mm(h3, gate_up_w)), down_w)
+//   y      = mm(silu_mul(mm(h3, gate_up_w)), down_w)
 //   return (y, r)
 //
-// The C kernels (cpu_fused.c, cpu_attention.c) are built and loaded by their Python modules;
-// their addresses are handed over once with set_cpu_kernels. The int4 matmul is ATen's CPU
-// kernel, called directly (at::cpu::, no dispatcher).
+// mm is one of two 4-bit matmuls, told apart by the weight list: ATen's CPU int4 kernel
+// (each matrix as packed + scales_and_zeros; called directly, at::cpu::, no dispatcher) or
+// the 4-bit x 8-bit kernel of cpu_q4q8.c (each matrix as codes + d + m). The C kernels
+// (cpu_fused.c, cpu_attention.c, cpu_q4q8.c) are built and loaded by their Python modules;
+// their addresses are handed over once with set_cpu_kernels.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -35,11 +37,15 @@ using SiluFn = int (*)(const void*, void*, int, int, int, int);
 using AttendFn = int (*)(const void*, int, const int32_t*, void*, const int32_t*,
                          const int32_t*, const int32_t*, const int64_t*, void*, int, int, int,
                          int, int, int, int, int, float, int);
+using Q4Q8Fn = int (*)(const void*, const void*, const void*, const void*, void*, int, int, int,
+                       int, int, void*);
 
 RmsFn rms_fn = nullptr;
 RopeFn rope_fn = nullptr;
 SiluFn silu_fn = nullptr;
 AttendFn attend_fn = nullptr;
+Q4Q8Fn q4q8_fn = nullptr;  // null: the q4q8 kernel is not available
+int64_t q4q8_vnni = 0;
 int64_t silu_vec_block = 0;
 int64_t par_rows = 1;  // the small ops use threads above this many rows (as cpu_fused.py)
 
@@ -50,7 +56,9 @@ void check(bool ok, const char* what) {
 }
 
 void set_cpu_kernels(int64_t rms, int64_t rope, int64_t silu, int64_t attend,
-                     int64_t vec_block, int64_t parallel_rows) {
+                     int64_t vec_block, int64_t parallel_rows, int64_t q4q8, int64_t vnni) {
+    q4q8_fn = reinterpret_cast<Q4Q8Fn>(q4q8);
+    q4q8_vnni = vnni;
     rms_fn = reinterpret_cast<RmsFn>(rms);
     rope_fn = reinterpret_cast<RopeFn>(rope);
     silu_fn = reinterpret_cast<SiluFn>(silu);
@@ -77,12 +85,32 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     return {y, r};
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz) {
-    return at::cpu::_weight_int4pack_mm_for_cpu(x, packed, kGroup, sz);
+// One 4-bit matrix: (packed, scales_and_zeros) for ATen's kernel, (codes, d, m) for q4q8.
+struct Matrix {
+    const at::Tensor* parts[3];
+    bool q4q8;
+};
+
+at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
+    if (!w.q4q8) return at::cpu::_weight_int4pack_mm_for_cpu(x, *w.parts[0], kGroup, *w.parts[1]);
+    const at::Tensor& codes = *w.parts[0];  // [n/8, k/32, 4, 8, 4] uint8
+    const int64_t rows = x.size(0), n = codes.size(0) * 8, k = codes.size(1) * kGroup;
+    check(x.size(1) == k, "q4q8 weight does not fit the activations");
+    at::Tensor y = bf16_empty(rows, n);
+    at::Tensor scratch = at::empty({rows * (k + 8 * (k / kGroup))},
+                                   at::TensorOptions().dtype(at::kByte));
+    int rc = q4q8_fn(x.data_ptr(), codes.data_ptr(), w.parts[1]->data_ptr(),
+                     w.parts[2]->data_ptr(), y.data_ptr(), static_cast<int>(rows),
+                     static_cast<int>(n), static_cast<int>(k), threads,
+                     static_cast<int>(q4q8_vnni), scratch.data_ptr());
+    check(rc == 0, "q4q8 kernel rejected the shapes");
+    return y;
 }
 
 // weights: ln1, qkv_packed, qkv_sz, o_packed, o_sz, ln2, gate_up_packed, gate_up_sz,
-//          down_packed, down_sz[, qkv_bias]
+//          down_packed, down_sz[, qkv_bias]                       (ATen int4: 10 or 11)
+//      or  ln1, qkv (codes, d, m), o (3), ln2, gate_up (3), down (3)[, qkv_bias]
+//                                                                  (q4q8: 14 or 15)
 // meta: slot_mapping, block_tables, seq_lens, query_start_loc (int32, the step's metadata)
 //       [, tree_mask (int64 [T], the rows' ancestor bits; empty: every row causal)]
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
@@ -91,7 +119,18 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
         const at::Tensor& kv_cache, at::TensorList meta, int64_t heads, int64_t kv_heads,
         double eps, double scale) {
     check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
-    check(weights.size() == 10 || weights.size() == 11, "expected 10 or 11 weights");
+    const size_t nw = weights.size();
+    check(nw == 10 || nw == 11 || nw == 14 || nw == 15, "expected 10, 11, 14 or 15 weights");
+    const bool q4q8 = nw >= 14;
+    check(!q4q8 || q4q8_fn != nullptr, "the q4q8 kernel is not available");
+    const size_t per = q4q8 ? 3 : 2;  // tensors per matrix
+    auto matrix = [&](size_t first) {
+        return Matrix{{&weights[first], &weights[first + 1], &weights[first + per - 1]}, q4q8};
+    };
+    const Matrix qkv_w = matrix(1), o_w = matrix(1 + per), gate_up_w = matrix(2 + 2 * per),
+                 down_w = matrix(2 + 3 * per);
+    const at::Tensor& ln2 = weights[1 + 2 * per];
+    const bool has_bias = nw == 11 || nw == 15;
     check(meta.size() == 4 || meta.size() == 5, "expected 4 or 5 metadata tensors");
     check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
           "x must be a contiguous bf16 [rows, hidden] matrix");
@@ -101,8 +140,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const int small_threads = rows > par_rows ? threads : 1;
 
     auto [h, r] = add_rms_norm(x, residual, weights[0], eps, small_threads);
-    at::Tensor qkv = int4_mm(h, weights[1], weights[2]);  // [T, (H + 2 KVH) * D]
-    if (weights.size() == 11) qkv.add_(weights[10]);
+    at::Tensor qkv = mm(h, qkv_w, threads);  // [T, (H + 2 KVH) * D]
+    if (has_bias) qkv.add_(weights[nw - 1]);
     const int64_t width = qkv.size(1), d = width / (heads + 2 * kv_heads);
     check(d * (heads + 2 * kv_heads) == width && cos.numel() == rows * d
               && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous()
@@ -138,22 +177,22 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
                    static_cast<float>(scale), rows * kv_heads >= 4 ? threads : 1);
     check(rc == 0, "attention kernel rejected the step (bad slot, block id, layout or mask)");
 
-    at::Tensor o = int4_mm(attn, weights[3], weights[4]);
-    auto [h2, r2] = add_rms_norm(o, r, weights[5], eps, small_threads);
-    at::Tensor gate_up = int4_mm(h2, weights[6], weights[7]);  // [T, 2 * inter]
+    at::Tensor o = mm(attn, o_w, threads);
+    auto [h2, r2] = add_rms_norm(o, r, ln2, eps, small_threads);
+    at::Tensor gate_up = mm(h2, gate_up_w, threads);  // [T, 2 * inter]
     const int64_t inter = gate_up.size(1) / 2;
     at::Tensor act = bf16_empty(rows, inter);
     rc = silu_fn(gate_up.data_ptr(), act.data_ptr(), static_cast<int>(rows),
                  static_cast<int>(inter), static_cast<int>(silu_vec_block), small_threads);
     check(rc == 0, "silu_mul kernel failed");
-    return {int4_mm(act, weights[8], weights[9]), r2};
+    return {mm(act, down_w, threads), r2};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(quickdraft_cpu, m) {
     m.def("set_cpu_kernels(int rms, int rope, int silu, int attend, int vec_block, "
-          "int parallel_rows) -> ()");
+          "int parallel_rows, int q4q8, int vnni) -> ()");
     m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor cos, "
           "Tensor sin, Tensor(a!) kv_cache, Tensor[] meta, int heads, int kv_heads, "
           "float eps, float scale) -> (Tensor, Tensor)");

@@ -1,11 +1,12 @@
 """One decoder layer of the CPU bf16 int4 path in one native call.
 
-At batch 1 a SmolLM2 layer spends ~125 µs in its four int4 matmuls and, called op by op
-from Python, ~65 µs more in the Python-level calls around them (two add+RMSNorms, RoPE, the
-KV write + attention, SiLU·up, torch's dispatch of the four matmuls, glue). ``cpu_layer.cpp``
-runs the same kernels on the same buffers in the same order from C++: the C kernels of
+At batch 1 a SmolLM2 layer spends ~125 µs in its four int4 matmuls (torch's kernel) and,
+called op by op from Python, ~65 µs more in the Python-level calls around them (two
+add+RMSNorms, RoPE, the KV write + attention, SiLU·up, torch's dispatch of the four
+matmuls, glue). ``cpu_layer.cpp`` runs the same kernels on the same buffers in the same order from C++: the C kernels of
 :mod:`kernels.cpu_fused` and :mod:`kernels.cpu_attention` (their addresses handed over
-once) and ATen's CPU int4 matmul called directly. The result is bit-identical to the Python
+once) and ATen's CPU int4 matmul called directly, or the 4-bit x 8-bit kernel of
+:mod:`kernels.cpu_q4q8` (its address handed over too). The result is bit-identical to the Python
 layer, which stays the path for everything else (dense weights, fp32, biases other than
 qkv's, other backends) and the fallback when this module is unavailable.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from quickdraft.kernels import cbuild, cpu_attention, cpu_fused
+from quickdraft.kernels import cbuild, cpu_attention, cpu_fused, cpu_q4q8
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,11 @@ def _load() -> bool:
             path = cbuild.build("cpu_layer", _SOURCE.read_bytes(), cflags, gxx, lang="c++",
                                 ldflags=ldflags)
             torch.ops.load_library(str(path))
+            q4q8, vnni = cpu_q4q8.native_entry_point() or (0, 0)  # 0: int4 weights only
             torch.ops.quickdraft_cpu.set_cpu_kernels(
                 fused["rms_norm"], fused["rope"], fused["silu_mul"],
-                attention["write_attend"], fused["vec_block"], fused["parallel_rows"])
+                attention["write_attend"], fused["vec_block"], fused["parallel_rows"], q4q8,
+                vnni)
             cbuild.record("cpu_layer", None)
             return True
     except subprocess.CalledProcessError as e:
@@ -84,13 +87,22 @@ def available() -> bool:
     return _load()
 
 
-def layer_weights(ln1: torch.Tensor, qkv: tuple[torch.Tensor, torch.Tensor],
-                  o: tuple[torch.Tensor, torch.Tensor], ln2: torch.Tensor,
-                  gate_up: tuple[torch.Tensor, torch.Tensor],
-                  down: tuple[torch.Tensor, torch.Tensor],
+def takes_q4q8() -> bool:
+    """Whether the op can run layers on :mod:`kernels.cpu_q4q8` weights (the kernel was
+    there when the op was loaded)."""
+    return available() and cpu_q4q8.available()
+
+
+def layer_weights(ln1: torch.Tensor, qkv: tuple[torch.Tensor, ...],
+                  o: tuple[torch.Tensor, ...], ln2: torch.Tensor,
+                  gate_up: tuple[torch.Tensor, ...], down: tuple[torch.Tensor, ...],
                   qkv_bias: torch.Tensor | None) -> list[torch.Tensor]:
     """The op's weight list: norms bf16 ``[hidden]``, each matrix as (packed, scales and
-    zeros) of :class:`kernels.cpu_int4.Int4Weight`, the optional qkv bias last."""
+    zeros) of :class:`kernels.cpu_int4.Int4Weight` or (codes, d, m) of
+    :class:`kernels.cpu_q4q8.Q4Q8Weight` (all four the same kind), the optional qkv bias
+    last."""
+    if len({len(qkv), len(o), len(gate_up), len(down)}) != 1 or len(qkv) not in (2, 3):
+        raise ValueError("the four matrices must be all int4 (2 tensors) or all q4q8 (3)")
     weights = [ln1, *qkv, *o, ln2, *gate_up, *down]
     return weights if qkv_bias is None else [*weights, qkv_bias]
 

@@ -119,8 +119,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode/verification steps eagerly instead of replaying graphs")
     g.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
-                   help="int4: run a GGUF's Q4_0/Q4_1 layers on their 4-bit blocks (CPU, "
-                   "bfloat16); auto: when a timed decode step is faster that way")
+                   help="int4-q8: run a GGUF's Q4_0/Q4_1/Q4_K layers on their 4-bit blocks "
+                   "with 8-bit activations (CPU, bfloat16; cheap verification rows); int4: "
+                   "the same blocks on torch's int4 kernel (bf16 activations); auto: the "
+                   "fastest of these and dense in a timed decode + verification step")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -42,7 +42,7 @@ from quickdraft.engine.models.llama import Linear, LlamaForCausalLM
 from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.engine.step_plan import StepPlan
-from quickdraft.kernels import cpu_int4, torch_ops
+from quickdraft.kernels import cpu_int4, cpu_q4q8, torch_ops
 from quickdraft.spec.draft_head import DraftHead
 from quickdraft.spec.token_tree import TokenTree
 
@@ -50,6 +50,7 @@ ROUNDS = 3  # rounds after the catch-up (so a tree is at most ROUNDS + 1 deep)
 CHILDREN = 4  # candidates taken from each fed node's distribution
 HEAD_LINEARS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
 INT4_MAX_ROWS = 4  # torch's int4 CPU kernel costs ~a GEMV per row: dense beyond this
+# (the q4q8 kernel unpacks each 4-bit block once for 8 rows: it takes every row count)
 
 
 class HeadLinear(torch.nn.Module):
@@ -57,14 +58,16 @@ class HeadLinear(torch.nn.Module):
     for the few rows of drafting rounds, the dense weight (bf16 GEMV kernel or torch) for
     catch-ups after a prefill. Rows need not be batch-invariant here: drafts are verified."""
 
-    def __init__(self, weight: torch.Tensor, int4: cpu_int4.Int4Weight | None,
-                 gemv: Any) -> None:
+    def __init__(self, weight: torch.Tensor,
+                 int4: cpu_int4.Int4Weight | cpu_q4q8.Q4Q8Weight | None, gemv: Any) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [out, in]
         self.int4 = int4
         self.gemv = gemv  # (x, weight, bias) -> y, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if isinstance(self.int4, cpu_q4q8.Q4Q8Weight):
+            return cpu_q4q8.linear(x, self.int4)
         if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             return cpu_int4.linear(x, self.int4)
         if self.gemv is not None:
@@ -116,19 +119,22 @@ class DraftHeadRunner:
 
     def _use_target_kernels(self, target: LlamaForCausalLM) -> str:
         """Run the head's matrices the way the target runs its own (chosen by measurement at
-        start-up, :mod:`engine.weight_format`): when the target's layers use int4, drafting
-        rounds (<= ``INT4_MAX_ROWS`` rows) multiply by 4-bit copies (rounded here,
-        Q4_1-style: ~4 MB read a forward instead of ~15); dense rows go through the bf16 GEMV
-        kernel when the target uses it, else plain torch. Lossless either way: drafts are
-        verified. Returns the kernel's name."""
+        start-up, :mod:`engine.weight_format`): when the target's layers use 4-bit weights,
+        the head multiplies by 4-bit copies (rounded here, Q4_1-style: ~4 MB read a forward
+        instead of ~15) on the same kernel: q4q8 for every row count, torch's int4 kernel
+        for drafting rounds (<= ``INT4_MAX_ROWS`` rows); other rows go through the bf16
+        GEMV kernel when the target uses it, else plain torch. Lossless either way: drafts
+        are verified. Returns the kernel's name ("int4-q8", "int4", "gemv" or "torch")."""
         ref = next((m for m in target.layers.modules() if isinstance(m, Linear)), None)
         if ref is None or (not ref.use_int4 and ref.gemv is None):
             return "torch"
-        kind = "int4" if ref.use_int4 else "gemv"
+        q8 = ref.use_int4 and isinstance(ref.int4, cpu_q4q8.Q4Q8Weight)
+        kind = ("int4-q8" if q8 else "int4") if ref.use_int4 else "gemv"
+        module = cpu_q4q8 if q8 else cpu_int4
         for name in HEAD_LINEARS:
             weight = getattr(self.head, name).weight.detach()
-            int4 = (cpu_int4.pack(*cpu_int4.quantize(weight))
-                    if kind == "int4" and cpu_int4.supports(*weight.shape) else None)
+            int4 = (module.pack(*cpu_int4.quantize(weight))
+                    if kind != "gemv" and module.supports(*weight.shape) else None)
             setattr(self.head, name, HeadLinear(weight, int4, ref.gemv))
         return kind
 

@@ -19,9 +19,28 @@ from torch import nn
 
 from quickdraft.engine.gguf_quant import Q4Weight
 from quickdraft.engine.models.rope import RotaryEmbedding
-from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, torch_ops
+from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, cpu_q4q8, torch_ops
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.kernels.cpu_int4 import Int4Weight
+from quickdraft.kernels.cpu_q4q8 import Q4Q8Weight
+
+# A linear layer's 4-bit copy, by kernel: "torch" (ATen's int4 kernel, bf16 activations) or
+# "q8" (kernels.cpu_q4q8: activations rounded to 8 bits, cheap extra rows).
+FOUR_BIT_KERNELS = ("torch", "q8")
+FourBitWeight = Int4Weight | Q4Q8Weight
+
+
+def _four_bit_linear(x: torch.Tensor, weight: FourBitWeight) -> torch.Tensor:
+    if isinstance(weight, Q4Q8Weight):
+        return cpu_q4q8.linear(x, weight)
+    return cpu_int4.linear(x, weight)
+
+
+def _native_parts(weight: FourBitWeight) -> tuple[torch.Tensor, ...]:
+    """The tensors :func:`kernels.cpu_layer.layer_weights` takes for one matrix."""
+    if isinstance(weight, Q4Q8Weight):
+        return weight.codes, weight.d, weight.m
+    return weight.packed, weight.scales_and_zeros
 
 
 @dataclass(frozen=True)
@@ -95,7 +114,8 @@ class Linear(nn.Module):
     (``kernels.cpu_gemv``: 8 rows per pass over the weights, cache-sized weight tiles for
     more; accumulates in fp32 and rounds once to bf16, like torch's bf16 linear, and gives a
     row the same bits whatever the other rows). With 4-bit weights attached and enabled
-    (:meth:`LlamaForCausalLM.attach_int4_weights`), torch's int4 kernel runs instead.
+    (:meth:`LlamaForCausalLM.attach_int4_weights`), their kernel runs instead (torch's int4
+    or ``kernels.cpu_q4q8``; both give a row the same bits whatever the other rows).
     """
 
     def __init__(self, out_features: int, in_features: int, bias: bool, dtype: torch.dtype,
@@ -105,7 +125,7 @@ class Linear(nn.Module):
                                                                dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.gemv: Any = None  # (x [rows, in], weight, bias) -> y
-        self.int4: Int4Weight | None = None  # 4-bit copy of the weight (kernels.cpu_int4)
+        self.int4: FourBitWeight | None = None  # 4-bit copy of the weight (FOUR_BIT_KERNELS)
         self.use_int4 = False  # multiply by it instead of the dense weight
 
     def enable_cpu_fast_path(self, gemv: Any) -> None:
@@ -113,7 +133,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
         if self.use_int4 and self.int4 is not None:  # every row count: batch-invariant
-            y = cpu_int4.linear(x, self.int4)
+            y = _four_bit_linear(x, self.int4)
             return y if self.bias is None else y + self.bias
         if self.gemv is None:
             return F.linear(x, self.weight, self.bias)
@@ -203,10 +223,11 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
         self.native = None
+        kinds = {type(lin.int4) for lin in linears}
         if enabled and all(lin.use_int4 and lin.int4 is not None for lin in linears) \
+                and len(kinds) == 1 and (Int4Weight in kinds or cpu_layer.takes_q4q8()) \
                 and attn.o.bias is None and mlp.gate_up.bias is None and mlp.down.bias is None:
-            pairs = [(lin.int4.packed, lin.int4.scales_and_zeros) for lin in linears
-                     if lin.int4 is not None]
+            pairs = [_native_parts(lin.int4) for lin in linears if lin.int4 is not None]
             self.native = cpu_layer.layer_weights(
                 self.input_layernorm.weight, pairs[0], pairs[1],
                 self.post_attention_layernorm.weight, pairs[2], pairs[3], attn.qkv.bias)
@@ -311,10 +332,14 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.bind_native(enabled)
 
-    def attach_int4_weights(self, weights: dict[str, Q4Weight]) -> int:
+    def attach_int4_weights(self, weights: dict[str, Q4Weight], kernel: str = "torch") -> int:
         """Give the layers 4-bit copies of their weights from ``weights`` (HF names, e.g. a
-        GGUF's Q4_1 matrices); a fused matrix (qkv, gate_up) only when all its parts are
-        there. Returns how many linear layers have one (an empty dict drops them all)."""
+        GGUF's Q4_1 matrices), packed for ``kernel`` (one of :data:`FOUR_BIT_KERNELS`); a
+        fused matrix (qkv, gate_up) only when all its parts are there. Returns how many
+        linear layers have one (an empty dict drops them all)."""
+        if kernel not in FOUR_BIT_KERNELS:
+            raise ValueError(f"4-bit kernel {kernel!r} is not one of {FOUR_BIT_KERNELS}")
+        module = cpu_q4q8 if kernel == "q8" else cpu_int4
         count = 0
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
@@ -323,12 +348,12 @@ class LlamaForCausalLM(nn.Module):
                 assert isinstance(linear, Linear)
                 names = [f"{prefix}{part}.weight" for part in parts]
                 if (weights and all(n in weights for n in names)
-                        and cpu_int4.supports(*linear.weight.shape)):
+                        and module.supports(*linear.weight.shape)):
                     q4 = Q4Weight.cat([weights[n] for n in names])
                     if q4.shape != tuple(linear.weight.shape):
                         raise ValueError(f"{names[0]}: 4-bit shape {q4.shape}, expected "
                                          f"{tuple(linear.weight.shape)}")
-                    linear.int4 = cpu_int4.pack(q4.q, q4.d, q4.m)
+                    linear.int4 = module.pack(q4.q, q4.d, q4.m)
                     count += 1
                 else:
                     linear.int4, linear.use_int4 = None, False

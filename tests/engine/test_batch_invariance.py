@@ -1,4 +1,4 @@
-"""A request's greedy tokens on the default CPU serving paths (int4 and dense bf16) do not
+"""A request's greedy tokens on the default CPU serving paths (int4-q8, int4, dense bf16) do not
 depend on what else is in its batch, how its prompt is chunked, whether its prefix came from
 the cache, or speculation: every kernel on these paths computes a row the same way whatever
 the other rows are (int4 matmul, the tiled bf16 GEMV, fused ops, C attention)."""
@@ -10,7 +10,7 @@ import pytest
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
 from quickdraft.engine.sampling_params import SamplingParams
-from quickdraft.kernels import cpu_attention, cpu_gemv, cpu_int4
+from quickdraft.kernels import cpu_attention, cpu_gemv, cpu_int4, cpu_q4q8
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (cpu_gemv.available() and cpu_attention.available()),
@@ -47,10 +47,12 @@ def _greedy(llm: LLMEngine, prompts: list[str], *, stagger: bool = False,
 
 
 
-@pytest.mark.parametrize("weights", ["int4", "dense"])
+@pytest.mark.parametrize("weights", ["int4-q8", "int4", "dense"])
 def test_greedy_tokens_do_not_depend_on_batch_chunks_cache_or_speculation(weights):
     if weights == "int4" and not cpu_int4.available():
         pytest.skip("no CPU int4 ops in this torch")
+    if weights == "int4-q8" and not cpu_q4q8.available():
+        pytest.skip("the q4q8 kernel is not built here")
     llm = _engine(weights=weights)
     alone = {str(i): _greedy(llm, [p])["0"] for i, p in enumerate(PROMPTS)}
     assert _greedy(llm, PROMPTS) == alone  # one batch, prefills together

@@ -1,6 +1,7 @@
-"""The default model on its GGUF's own 4-bit weights (``--weights int4``): chosen and reported,
-close to the fp32 oracle, clear errors where it cannot run. (Batch invariance of the int4 and
-dense bf16 paths: test_batch_invariance.py.)"""
+"""The default model on its GGUF's own 4-bit weights (``--weights int4`` on torch's kernel,
+``--weights int4-q8`` with 8-bit activations): chosen and reported, close to the fp32 oracle,
+clear errors where it cannot run. (Batch invariance of the 4-bit and dense bf16 paths:
+test_batch_invariance.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from quickdraft.engine.config import ConfigError, EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
 from quickdraft.engine.step_plan import StepPlan
-from quickdraft.kernels import cpu_attention, cpu_int4
+from quickdraft.kernels import cpu_attention, cpu_int4, cpu_q4q8
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (cpu_int4.available() and cpu_attention.available()),
@@ -25,14 +26,18 @@ def _engine(**kw) -> LLMEngine:
     return LLMEngine(EngineConfig(measure_step_cost=False, **kw), progress=False)
 
 
-@pytest.fixture(scope="module")
-def int4_engine() -> LLMEngine:
-    return _engine(weights="int4")
+@pytest.fixture(scope="module", params=["int4", "int4-q8"])
+def int4_engine(request) -> LLMEngine:
+    if request.param == "int4-q8" and not cpu_q4q8.available():
+        pytest.skip("the q4q8 kernel is not built here")
+    return _engine(weights=request.param)
 
 
 def test_int4_is_chosen_and_reported(int4_engine):
     w = int4_engine.runner.weights.describe()
-    assert w["format"] == "int4" and w["int4_layers"] == 4 * 30  # qkv, o, gate_up, down
+    assert w["format"] == int4_engine.config.weights
+    assert w["int4_layers"] == 4 * 30  # qkv, o, gate_up, down
+    assert w["native_layers"] == 30
 
 
 def _prompt_logits(llm: LLMEngine, ids: list[int]) -> torch.Tensor:  # [len, vocab] fp32
@@ -44,10 +49,13 @@ def _prompt_logits(llm: LLMEngine, ids: list[int]) -> torch.Tensor:  # [len, voc
 
 def test_logits_close_to_the_fp32_dequantized_model(int4_engine):
     """Stated tolerance, in units of each position's logit standard deviation against the
-    fp32 model on the same (dequantized) weights: the int4 logits' mean error at most 1.5x
-    the dense bf16 engine's own (measured: 0.053 against 0.041), the worst under 0.5
-    (0.37; bf16 0.39), and the same argmax at >= 90 % of the prompt's positions (96 %; bf16
-    98 %). bf16 activations and bf16-rounded block scales are the differences."""
+    fp32 model on the same (dequantized) weights, and measured on the AVX512-BF16 machine
+    (the dense bf16 engine: mean 0.039, worst 0.39, same argmax at 98 % of the positions):
+    - int4 (bf16 activations, bf16-rounded block scales): mean at most 1.5x bf16's (0.053),
+      worst under 0.5 (0.37), argmax >= 90 % (96 %);
+    - int4-q8 (activations rounded to 8 bits per block of 32, as llama.cpp does on the same
+      GGUF): mean at most 3x bf16's (0.095), worst under 1.2 (0.88), argmax >= 90 % (96 %).
+    """
     fp32 = _engine(dtype="float32")
     ids = fp32.apply_chat_template([{"role": "user", "content": PROMPT}])
     want = _prompt_logits(fp32, ids)
@@ -55,8 +63,9 @@ def test_logits_close_to_the_fp32_dequantized_model(int4_engine):
     got = _prompt_logits(int4_engine, ids)
     err = (got - want).abs() / spread
     bf16_err = (_prompt_logits(_engine(weights="dense"), ids) - want).abs() / spread
-    assert float(err.mean()) <= 1.5 * float(bf16_err.mean())
-    assert float(err.max()) < 0.5
+    mean_factor, worst = (3.0, 1.2) if int4_engine.config.weights == "int4-q8" else (1.5, 0.5)
+    assert float(err.mean()) <= mean_factor * float(bf16_err.mean())
+    assert float(err.max()) < worst
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
     assert agree >= 0.9, float(agree)
 

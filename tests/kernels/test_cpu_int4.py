@@ -6,21 +6,10 @@ import pytest
 import torch
 
 from quickdraft.kernels import cpu_int4
+from tests.kernels.four_bit_oracle import dense as _dense
+from tests.kernels.four_bit_oracle import random_q4_weights as _weights
 
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="no CPU int4 ops in torch")
-
-
-def _weights(out: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (out, k), generator=g, dtype=torch.uint8)
-    d = (torch.rand(out, k // 32, generator=g) * 0.02 + 1e-3).half().float()  # fp16 values
-    m = (torch.randn(out, k // 32, generator=g) * 0.1).half().float()
-    return q, d, m
-
-
-def _dense(q, d, m) -> torch.Tensor:  # w = d * q + m, fp32 [out, k]
-    out, k = q.shape
-    return (d[..., None] * q.reshape(out, k // 32, 32).float() + m[..., None]).view(out, k)
 
 
 @pytest.mark.parametrize(("out", "k"), [(960, 576), (64, 1536), (48, 64)])

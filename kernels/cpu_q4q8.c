@@ -1,0 +1,220 @@
+/* 4-bit weights x 8-bit activations for CPU decode and verification:
+ *     y[m, n] = x[m, k] @ W[n, k]^T,   W in GGUF Q4_1 blocks of 32 (w = d * q + mn, q in 0..15)
+ *
+ * Plain C (no torch headers); loaded with ctypes by kernels/cpu_q4q8.py.
+ *
+ * Why: torch's int4 kernel costs about one more 1-row product for every extra row of x, so
+ * verifying k drafts costs nearly k decode steps. Here every block of 32 weights is unpacked
+ * once and then used by every row of x (up to QD_MAX_ROWS a pass), as llama.cpp does:
+ *   - each row of x is rounded once per call to int8 in blocks of 32 (Q8: x ~ sx * xq,
+ *     sx = max|x| / 127), with the block's sum  sumx = sx * sum(xq);
+ *   - a block's dot product is exact integer arithmetic (u8 weight codes x s8 activations,
+ *     4 products per 32-bit lane: vpdpbusd with AVX512-VNNI, vpmaddubsw + vpmaddwd on plain
+ *     AVX2; the same integers either way, no saturation as 2 * 15 * 127 < 2^15);
+ *   - y = sum_g (d[n,g] * sx[g] * isum[g] + mn[n,g] * sumx[g]) in fp32, fused multiply-adds
+ *     in block order, one output column per vector lane (no horizontal sums), rounded once
+ *     to bf16 (round to nearest even).
+ * Every output element is computed by the same instructions in the same order whatever the
+ * row count, the thread count and the instruction set (VNNI or AVX2), so a request's result
+ * does not depend on its batch, on speculation or on the CPU kind.
+ *
+ * Layout (kernels/cpu_q4q8.py packs it; see QD_TILE): output columns in groups of 8, each
+ * group's blocks interleaved column by column: codes [n/8][k/32][4][8][4] uint8, scales d
+ * and offsets mn [n/8][k/32][8] fp16.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QD_MAX_ROWS 8        /* rows of x per pass over the weights */
+#define QD_GROUPS_PER_TASK 4  /* groups of 8 output columns a thread takes at a time */
+#define QD_SERIAL_BYTES (48 * 1024)
+
+#define QD_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define QD_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round rows x rows of x (bf16 [rows, k]) to int8 blocks: xq [rows, k], sx and sumx
+ * [rows, k / 32]. Scalar and elementwise, so identical on every CPU. */
+static void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq, float* sx,
+                          float* sumx) {
+    const int groups = k / 32;
+    for (int r = 0; r < rows; r++) {
+        for (int g = 0; g < groups; g++) {
+            const uint16_t* src = x + (size_t)r * k + (size_t)g * 32;
+            float v[32], amax = 0.0f;
+            for (int j = 0; j < 32; j++) {
+                v[j] = bf16_to_f32(src[j]);
+                float a = fabsf(v[j]);
+                amax = a > amax ? a : amax;
+            }
+            const float scale = amax / 127.0f;
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t* dst = xq + (size_t)r * k + (size_t)g * 32;
+            int total = 0;
+            for (int j = 0; j < 32; j++) {
+                int q = (int)nearbyintf(v[j] * inv);
+                q = q > 127 ? 127 : (q < -127 ? -127 : q);
+                dst[j] = (int8_t)q;
+                total += q;
+            }
+            sx[(size_t)r * groups + g] = scale;
+            sumx[(size_t)r * groups + g] = scale * (float)total;
+        }
+    }
+}
+
+
+/* 8 output columns (group ``cg``) for R rows of x. The weights of a group are interleaved
+ * so that 32-bit lane i of every vector belongs to column i: block g of the group is 4
+ * 32-byte chunks, chunk j holding for each column 4 bytes whose low nibbles are the codes of
+ * k = 32g + 4j .. +3 and whose high nibbles those of k = 32g + 16 + 4j .. +3. A block's dot
+ * product is then 8 lane-wise integer dot products against 4 broadcast bytes of x each, with
+ * no horizontal sums; per row and block:
+ *     acc = fma(float(isum), d * sx, acc);   acc = fma(mn, sumx, acc)
+ * with d and mn the 8 columns' fp16 scales (exact in fp32). The same instructions in the same
+ * order run for every (column, row) pair whatever R is. */
+#define QD_TILE(NAME, TARGET, DOT8)                                                        \
+    static inline __attribute__((always_inline)) TARGET void NAME(                         \
+            const int R, const uint8_t* codes, const uint16_t* d, const uint16_t* mn,      \
+            const int8_t* xq, const float* sx, const float* sumx, uint16_t* y, int cg,     \
+            int n, int k) {                                                                \
+        const int groups = k / 32;                                                         \
+        const __m256i low = _mm256_set1_epi8(0x0f);                                       \
+        __m256 acc[QD_MAX_ROWS];                                                           \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                          \
+        const uint8_t* cb = codes + (size_t)cg * groups * 128;                             \
+        const uint16_t* db = d + (size_t)cg * groups * 8;                                  \
+        const uint16_t* mb = mn + (size_t)cg * groups * 8;                                 \
+        for (int g = 0; g < groups; g++) {                                                 \
+            __m256i w[8];                                                                  \
+            for (int j = 0; j < 4; j++) {                                                  \
+                const __m256i b = _mm256_loadu_si256((const __m256i*)(cb + g * 128 + 32 * j)); \
+                w[j] = _mm256_and_si256(b, low);                                           \
+                w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);                 \
+            }                                                                              \
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(db + g * 8))); \
+            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(mb + g * 8))); \
+            for (int r = 0; r < R; r++) {                                                  \
+                const int8_t* xb = xq + (size_t)r * k + (size_t)g * 32;                    \
+                const __m256i isum = DOT8(w, xb);                                          \
+                const __m256 scale = _mm256_mul_ps(                                        \
+                    dv, _mm256_set1_ps(sx[(size_t)r * groups + g]));                       \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);         \
+                acc[r] = _mm256_fmadd_ps(                                                  \
+                    mv, _mm256_set1_ps(sumx[(size_t)r * groups + g]), acc[r]);             \
+            }                                                                              \
+        }                                                                                  \
+        for (int r = 0; r < R; r++) {                                                      \
+            float out[8];                                                                  \
+            _mm256_storeu_ps(out, acc[r]);                                                 \
+            for (int i = 0; i < 8; i++) y[(size_t)r * n + (size_t)cg * 8 + i] = f32_to_bf16(out[i]); \
+        }                                                                                  \
+    }
+
+static inline int32_t load4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* sum over the block's 32 (weight code, x) products per column lane. */
+static inline __attribute__((always_inline)) QD_VNNI __m256i dot8_vnni(const __m256i* w,
+                                                                       const int8_t* xb) {
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j += 2) {
+        a = _mm256_dpbusd_epi32(a, w[j], _mm256_set1_epi32(load4(xb + 4 * j)));
+        b = _mm256_dpbusd_epi32(b, w[j + 1], _mm256_set1_epi32(load4(xb + 4 * j + 4)));
+        a = _mm256_dpbusd_epi32(a, w[4 + j], _mm256_set1_epi32(load4(xb + 16 + 4 * j)));
+        b = _mm256_dpbusd_epi32(b, w[5 + j], _mm256_set1_epi32(load4(xb + 20 + 4 * j)));
+    }
+    return _mm256_add_epi32(a, b);
+}
+
+/* AVX2: pairs of products as int16 (|sum of 8 pairs| <= 8 * 2 * 15 * 127 < 2^15), then
+ * widened pairwise: the same integers as dot8_vnni. */
+static inline __attribute__((always_inline)) QD_AVX2 __m256i dot8_avx2(const __m256i* w,
+                                                                       const int8_t* xb) {
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(load4(xb + 4 * j))));
+        s = _mm256_add_epi16(
+            s, _mm256_maddubs_epi16(w[4 + j], _mm256_set1_epi32(load4(xb + 16 + 4 * j))));
+    }
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+}
+
+QD_TILE(tile_avx2, QD_AVX2, dot8_avx2)
+QD_TILE(tile_vnni, QD_VNNI, dot8_vnni)
+
+/* Column groups [lo, hi) for R rows; R a constant in each call so the row loops unroll. */
+#define QD_COLUMNS(NAME, TARGET, TILE)                                                     \
+    static TARGET void NAME(int R, const uint8_t* codes, const uint16_t* d,                \
+                            const uint16_t* mn, const int8_t* xq, const float* sx,         \
+                            const float* sumx, uint16_t* y, int lo, int hi, int n, int k) { \
+        for (int cg = lo; cg < hi; cg++) {                                                 \
+            switch (R) {                                                                   \
+            case 1: TILE(1, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 2: TILE(2, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 3: TILE(3, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 4: TILE(4, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 5: TILE(5, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 6: TILE(6, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 7: TILE(7, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            default: TILE(8, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;              \
+            }                                                                              \
+        }                                                                                  \
+    }
+QD_COLUMNS(columns_avx2, QD_AVX2, tile_avx2)
+QD_COLUMNS(columns_vnni, QD_VNNI, tile_vnni)
+
+/* y [rows, n] bf16 = x [rows, k] bf16 @ W^T. ``scratch`` holds rows * (k + 8 * k / 32) bytes
+ * (the int8 rows and their block scales and sums). Returns 0, or -1 for shapes it does not
+ * take (k % 32 != 0, n < 1, rows < 1). */
+int qd_q4q8_linear(const uint16_t* x, const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
+                   uint16_t* y, int rows, int n, int k, int threads, int vnni, void* scratch) {
+    if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32) return -1;
+    const int groups = k / 32;
+    int8_t* xq = (int8_t*)scratch;
+    float* sx = (float*)(xq + (size_t)rows * k);
+    float* sumx = sx + (size_t)rows * groups;
+    quantize_rows(x, rows, k, xq, sx, sumx);
+    const int col_groups = n / 8;
+    const int tasks = (col_groups + QD_GROUPS_PER_TASK - 1) / QD_GROUPS_PER_TASK;
+    const size_t bytes = (size_t)n * groups * 20;
+    if (threads < 1 || bytes < QD_SERIAL_BYTES) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int t = 0; t < tasks; t++) {
+        const int lo = t * QD_GROUPS_PER_TASK;
+        const int hi = lo + QD_GROUPS_PER_TASK < col_groups ? lo + QD_GROUPS_PER_TASK : col_groups;
+        for (int r0 = 0; r0 < rows; r0 += QD_MAX_ROWS) {
+            const int R = rows - r0 < QD_MAX_ROWS ? rows - r0 : QD_MAX_ROWS;
+            const int8_t* xr = xq + (size_t)r0 * k;
+            const float* sr = sx + (size_t)r0 * groups;
+            const float* ur = sumx + (size_t)r0 * groups;
+            uint16_t* yr = y + (size_t)r0 * n;
+            if (vnni)
+                columns_vnni(R, codes, d, mn, xr, sr, ur, yr, lo, hi, n, k);
+            else
+                columns_avx2(R, codes, d, mn, xr, sr, ur, yr, lo, hi, n, k);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,149 @@
+"""Linear layers on 4-bit weights times 8-bit activations (llama.cpp's Q4_1 x Q8 scheme).
+
+``cpu_q4q8.c`` computes ``x @ w.T`` for ``w[n, k] = d[n, g] · q[n, k] + m[n, g]`` (``g = k //
+32``, a GGUF Q4_0/Q4_1/Q4_K block) after rounding each row of ``x`` to int8 in blocks of 32
+(``x ≈ sx · xq``, ``sx = max|x| / 127``): every block's dot product is exact integer arithmetic
+and each 4-bit block is unpacked once for all the rows of ``x`` in a pass (up to 8). So an
+extra row costs a few integer instructions per block instead of another pass through
+torch's int4 kernel: verifying drafts gets cheap. Rounding the activations costs about as
+much accuracy as rounding the scales to bf16 does on the torch path (``tests/kernels/
+test_cpu_q4q8.py`` states the tolerance; ``tests/engine/test_int4_weights.py`` the model-level
+agreement).
+
+The scales are kept as fp16 (exact for Q4_0/Q4_1, whose scales are fp16 in the file; Q4_K's
+products of two scales are rounded to 11 bits, finer than the torch path's bf16). Every
+output element is computed by the same instructions in the same order whatever the row
+count, thread count and instruction set (AVX512-VNNI ``vpdpbusd`` or plain AVX2: the same
+integers), so a request's result does not depend on its batch, on speculation or on the CPU
+kind. Built with gcc on first use like the other C kernels (:mod:`kernels.cbuild`); without
+gcc or AVX2/FMA/F16C :func:`available` is False.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quickdraft.kernels import cbuild
+
+GROUP = 32
+COLUMNS = 8  # output columns interleaved per block (one 32-bit lane each)
+
+_SOURCE = Path(__file__).with_name("cpu_q4q8.c")
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC",
+           "-shared")
+_CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
+_VNNI_FLAGS = frozenset({"avx512f", "avx512vl", "avx512_vnni"})
+_BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Q4Q8Weight:
+    """A ``[out, in]`` matrix in the kernel's layout."""
+
+    codes: torch.Tensor  # [out/8, in/32, 4, 8, 4] uint8: block, chunk j, column, byte
+    d: torch.Tensor  # [out/8, in/32, 8] fp16 (column-interleaved block scales)
+    m: torch.Tensor  # [out/8, in/32, 8] fp16 (block offsets)
+    out_features: int
+    in_features: int
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> tuple[Any, int] | None:
+    """The ctypes function ``qd_q4q8_linear`` and whether to use its VNNI loop."""
+    lib = cbuild.load("cpu_q4q8", _SOURCE, _CFLAGS, _CPU_FLAGS)
+    if lib is None:
+        return None
+    fn = lib.qd_q4q8_linear
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn, int(cbuild.cpu_has(_VNNI_FLAGS))
+
+
+def available() -> bool:
+    """True when the kernel is built and loaded. Never raises."""
+    try:
+        return _kernel() is not None
+    except Exception:
+        return False
+
+
+def uses_vnni() -> bool:
+    """Whether the kernel's inner loop is AVX512-VNNI here (else AVX2; same results)."""
+    kernel = _kernel()
+    return bool(kernel and kernel[1])
+
+
+def native_entry_point() -> tuple[int, int] | None:
+    """For :mod:`kernels.cpu_layer`: the kernel's address and its VNNI flag."""
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    return ctypes.cast(kernel[0], ctypes.c_void_p).value or 0, kernel[1]
+
+
+def supports(out_features: int, in_features: int) -> bool:
+    """Shapes the kernel takes: ``out % 8 == 0`` and ``in % 32 == 0``."""
+    return out_features > 0 and out_features % COLUMNS == 0 and in_features > 0 \
+        and in_features % GROUP == 0
+
+
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Q8Weight:
+    """From 4-bit codes ``q[out, in]`` (0..15) and per-32 ``d, m [out, in / 32]`` with
+    ``w = d · q + m``."""
+    out, k = q.shape
+    if not supports(out, k) or d.shape != (out, k // GROUP) or m.shape != d.shape:
+        raise ValueError(f"q4q8 weights need out % {COLUMNS} == 0, in % {GROUP} == 0 and "
+                         f"[out, in/{GROUP}] scales; got q {tuple(q.shape)}, d "
+                         f"{tuple(d.shape)}, m {tuple(m.shape)}")
+    groups = k // GROUP
+    # [col group, column, block, half (k 0-15 | 16-31), chunk j, byte b]
+    q6 = q.to(torch.uint8).reshape(out // COLUMNS, COLUMNS, groups, 2, 4, 4)
+    byte = q6[:, :, :, 0] | (q6[:, :, :, 1] << 4)  # [cg, col, g, j, b]
+    codes = byte.permute(0, 2, 3, 1, 4).contiguous()  # [cg, g, j, col, b]
+
+    def interleave(s: torch.Tensor) -> torch.Tensor:  # [out, g] -> [cg, g, col] fp16
+        return s.to(torch.float16).reshape(out // COLUMNS, COLUMNS, groups) \
+            .permute(0, 2, 1).contiguous()
+
+    return Q4Q8Weight(codes, interleave(d), interleave(m), out, k)
+
+
+def scratch_bytes(rows: int, in_features: int) -> int:
+    """Bytes of scratch the kernel needs for ``rows`` rows (int8 x, block scales, sums)."""
+    return rows * (in_features + 8 * (in_features // GROUP))
+
+
+def linear(x: torch.Tensor, weight: Q4Q8Weight, *, vnni: bool | None = None) -> torch.Tensor:
+    """``x @ w.T``: x ``[rows, in]`` (any float dtype; read as bf16) -> ``[rows, out]`` in
+    x's dtype. ``vnni`` forces the inner loop (None: VNNI where the CPU has it; False runs
+    the AVX2 loop of the other CPU kind). Raises RuntimeError when the kernel is unavailable
+    (check :func:`available`)."""
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError("the q4q8 kernel is not available: "
+                           f"{cbuild.status().get('cpu_q4q8', 'not loaded')}")
+    fn, has_vnni = kernel
+    if vnni and not has_vnni:
+        raise RuntimeError("this CPU has no AVX512-VNNI")
+    use_vnni = has_vnni if vnni is None else int(vnni)
+    xb = (x if x.dtype is _BF16 else x.to(_BF16)).contiguous()
+    rows = xb.numel() // weight.in_features
+    if xb.shape[-1] != weight.in_features or rows < 1:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a [{weight.out_features}, "
+                         f"{weight.in_features}] weight")
+    y = torch.empty(rows, weight.out_features, dtype=_BF16)
+    scratch = torch.empty(scratch_bytes(rows, weight.in_features), dtype=torch.uint8)
+    rc = fn(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
+            y.data_ptr(), rows, weight.out_features, weight.in_features,
+            torch.get_num_threads(), use_vnni, scratch.data_ptr())
+    if rc != 0:
+        raise ValueError(f"q4q8 kernel rejected shapes rows={rows} out="
+                         f"{weight.out_features} in={weight.in_features}")
+    y = y if x.dim() == 2 else y.view(*x.shape[:-1], weight.out_features)
+    return y if y.dtype is x.dtype else y.to(x.dtype)
