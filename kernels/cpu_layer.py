@@ -2,13 +2,13 @@
 
 At batch 1 a SmolLM2 layer spends ~125 µs in its four int4 matmuls (torch's kernel) and,
 called op by op from Python, ~65 µs more in the Python-level calls around them (two
-add+RMSNorms, RoPE, the KV write + attention, SiLU·up, torch's dispatch of the four
-matmuls, glue). ``cpu_layer.cpp`` runs the same kernels on the same buffers in the same order from C++: the C kernels of
-:mod:`kernels.cpu_fused` and :mod:`kernels.cpu_attention` (their addresses handed over
-once) and ATen's CPU int4 matmul called directly, or the 4-bit x 8-bit kernel of
-:mod:`kernels.cpu_q4q8` (its address handed over too). The result is bit-identical to the Python
-layer, which stays the path for everything else (dense weights, fp32, biases other than
-qkv's, other backends) and the fallback when this module is unavailable.
+add+RMSNorms, RoPE, the KV write + attention, SiLU·up, torch's dispatch of the four matmuls,
+glue). ``cpu_layer.cpp`` runs the same kernels on the same buffers in the same order from
+C++: the C kernels of :mod:`kernels.cpu_fused` and :mod:`kernels.cpu_attention` (their
+addresses handed over once) and ATen's CPU int4 matmul called directly, or the 4-bit x 8-bit
+kernel of :mod:`kernels.cpu_q4q8` (its address handed over too). The result is bit-identical
+to the Python layer, which stays the path for everything else (dense weights, fp32, biases
+other than qkv's, other backends) and the fallback when this module is unavailable.
 
 It is built with g++ against the installed torch on first use into
 ``$QUICKDRAFT_CACHE/kernels`` (about 7 s; keyed by source, flags and torch version) and
