@@ -91,7 +91,9 @@ def choose(runner: Any, model_dir: Path | None, hf_config: Any, requested: str,
     possible = {fmt: _why_not(runner, model_dir, KERNEL_OF[fmt]) for fmt in wanted}
     candidates = [fmt for fmt, reason in possible.items() if reason is None]
     if not candidates:
-        reason = "; ".join(f"{fmt}: {why}" for fmt, why in possible.items())
+        whys = set(possible.values())
+        reason = (whys.pop() or "") if len(whys) == 1 else "; ".join(
+            f"{fmt}: {why}" for fmt, why in possible.items())
         if requested != "auto":
             raise ConfigError(f"--weights {requested} cannot run here: {reason}")
         return WeightChoice("dense", f"4-bit weights not possible: {reason}")

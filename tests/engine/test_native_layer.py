@@ -1,5 +1,6 @@
 """kernels.cpu_layer: a whole decoder layer in one native call gives bit-identical hidden
-states and KV caches to the Python layer (bf16, int4 weights), on mixed steps of prefill
+states and KV caches to the Python layer (bf16, 4-bit weights on torch's int4 kernel or
+on kernels.cpu_q4q8), on mixed steps of prefill
 chunks, decodes and verification rows, with and without a qkv bias; a step the kernel
 rejects falls back to the Python layer. Tree verification: the step's tree mask reaches the
 native attention (same bits as the Python layer), and a malformed one declines."""
@@ -11,7 +12,7 @@ import torch
 from transformers import LlamaConfig, Qwen2Config
 
 from quickdraft.engine.models.llama import DecoderLayer, LlamaForCausalLM
-from quickdraft.kernels import cpu_gemv, cpu_int4, cpu_layer, torch_attention
+from quickdraft.kernels import cpu_gemv, cpu_int4, cpu_layer, cpu_q4q8, torch_attention
 from quickdraft.kernels.attention_metadata import build_metadata
 
 pytestmark = pytest.mark.skipif(not (cpu_layer.available() and cpu_int4.available()),
@@ -21,7 +22,9 @@ BLOCK = 4
 NUM_BLOCKS = 32
 
 
-def _model(qwen: bool) -> LlamaForCausalLM:
+def _model(qwen: bool, kernel: str = "torch") -> LlamaForCausalLM:
+    """A small random model on 4-bit weights for ``kernel`` ("torch": ATen's int4, "q8":
+    kernels.cpu_q4q8)."""
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     config = Qwen2Config(**common) if qwen else LlamaConfig(**common)
@@ -40,7 +43,7 @@ def _model(qwen: bool) -> LlamaForCausalLM:
             q = torch.randint(0, 16, (out, k), generator=gen)
             d = torch.rand(out, k // 32, generator=gen) * 0.02 + 0.005
             m = -8 * d + torch.randn(out, k // 32, generator=gen) * 0.01
-            lin.int4 = cpu_int4.pack(q, d, m)
+            lin.int4 = (cpu_q4q8 if kernel == "q8" else cpu_int4).pack(q, d, m)
     model.use_int4(True)
     return model
 
@@ -94,9 +97,12 @@ def _run(model: LlamaForCausalLM, native: bool, steps: list | None = None,
     return outs, caches
 
 
+@pytest.mark.parametrize("kernel", ["torch", "q8"])
 @pytest.mark.parametrize("qwen", [False, True], ids=["llama", "qwen2-qkv-bias"])
-def test_native_layers_equal_python_layers_bit_for_bit(qwen: bool) -> None:
-    model = _model(qwen)
+def test_native_layers_equal_python_layers_bit_for_bit(qwen: bool, kernel: str) -> None:
+    if kernel == "q8" and not cpu_q4q8.available():
+        pytest.skip("the q4q8 kernel is not built here")
+    model = _model(qwen, kernel)
     want, want_caches = _run(model, native=False)
     got, got_caches = _run(model, native=True)
     for g, w in zip(got, want, strict=True):
@@ -106,8 +112,11 @@ def test_native_layers_equal_python_layers_bit_for_bit(qwen: bool) -> None:
         assert torch.equal(g, w)
 
 
-def test_tree_step_native_equals_python_and_honours_the_mask() -> None:
-    model = _model(False)
+@pytest.mark.parametrize("kernel", ["torch", "q8"])
+def test_tree_step_native_equals_python_and_honours_the_mask(kernel: str) -> None:
+    if kernel == "q8" and not cpu_q4q8.available():
+        pytest.skip("the q4q8 kernel is not built here")
+    model = _model(False, kernel)
     want, want_caches = _run(model, native=False, steps=TREE_STEPS, tree=TREE_PARENTS)
     got, got_caches = _run(model, native=True, steps=TREE_STEPS, tree=TREE_PARENTS)
     for g, w in zip([*got, *got_caches], [*want, *want_caches], strict=True):

@@ -80,8 +80,8 @@ def test_health_503_while_loading_then_200(tiny_model_dir):
         threads = body["threads"]  # CPU threads per step and the load that chose them
         assert set(threads) == {"mode", "threads", "max_threads", "other_load"}
         assert 1 <= threads["threads"] <= threads["max_threads"]
-        weights = body["weights"]  # int4 or dense, and why (here fp32: no int4)
-        assert weights["format"] == "dense" and "int4 not possible" in weights["reason"]
+        weights = body["weights"]  # int4-q8, int4 or dense, and why (here fp32: no 4-bit)
+        assert weights["format"] == "dense" and "4-bit weights not possible" in weights["reason"]
         assert httpx.post(f"{s.http}/v1/chat/completions", json=CHAT).status_code == 200
 
 
@@ -154,7 +154,7 @@ def test_sigterm_drains_then_closes_1012(tiny_model_dir):
         assert httpx.get(f"{base}/health").status_code == 200
         # the start-up lines also say what runs the model (as /health does)
         said = [p.lines.get(timeout=10) for _ in range(5)]
-        assert any("weights          dense (int4 not possible: dtype float32" in ln
+        assert any("weights          dense (4-bit weights not possible: dtype float32" in ln
                    for ln in said), said
         assert any("CPU threads      1 of 1, fixed" in ln for ln in said), said
         ws_url = base.replace("http://", "ws://") + "/v1/ws"
