@@ -122,7 +122,7 @@ def choose(runner: Any, model_dir: Path | None, hf_config: Any, requested: str,
         runner.model.attach_int4_weights({})  # drop the packed copies
     else:
         if best != candidates[-1]:  # the last one timed is still attached
-            runner.model.attach_int4_weights(q4, KERNEL_OF[best])
+            layers = runner.model.attach_int4_weights(q4, KERNEL_OF[best])
         runner.model.use_int4(True)
     why = ("measured a 1-row decode step + a 4-row verification step: "
            + ", ".join(f"{fmt} {ms:.2f} ms" for fmt, ms in times.items()))

@@ -52,10 +52,12 @@ static inline float bf16_to_f32(uint16_t v) {
 }
 
 /* Round rows x rows of x (bf16 [rows, k]) to int8 blocks: xq [rows, k], sx and sumx
- * [rows, k / 32]. Scalar and elementwise, so identical on every CPU. */
+ * [rows, k / 32]. Scalar and elementwise, so identical on every CPU (rows split between
+ * threads for prefill chunks). */
 static void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq, float* sx,
-                          float* sumx) {
+                          float* sumx, int threads) {
     const int groups = k / 32;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
     for (int r = 0; r < rows; r++) {
         for (int g = 0; g < groups; g++) {
             const uint16_t* src = x + (size_t)r * k + (size_t)g * 32;
@@ -195,7 +197,7 @@ int qd_q4q8_linear(const uint16_t* x, const uint8_t* codes, const uint16_t* d, c
     int8_t* xq = (int8_t*)scratch;
     float* sx = (float*)(xq + (size_t)rows * k);
     float* sumx = sx + (size_t)rows * groups;
-    quantize_rows(x, rows, k, xq, sx, sumx);
+    quantize_rows(x, rows, k, xq, sx, sumx, threads < 1 ? 1 : threads);
     const int col_groups = n / 8;
     const int tasks = (col_groups + QD_GROUPS_PER_TASK - 1) / QD_GROUPS_PER_TASK;
     const size_t bytes = (size_t)n * groups * 20;
