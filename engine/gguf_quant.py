@@ -15,8 +15,10 @@ Formats that map exactly onto a 4-bit code with one fp scale and offset per 32 w
   nibbles the next); ``w = (d · sc) · q − dmin · mn`` per sub-block, i.e. ``d = d · sc``,
   ``m = −dmin · mn``.
 
-(Tensors in other formats, e.g. Q6_K, Q8_0, are not returned; their layers keep the dense
-weights.) Tensor names are the HF ones, and the
+(Tensors in other formats, e.g. Q6_K, are not returned; their layers keep the dense
+weights.) The LM head is read too when it is stored as ``Q8_0`` (blocks of 32: fp16 ``d``, 32
+int8 codes; ``w = d · q``): ``output.weight``, or the tied ``token_embd.weight`` as SmolLM2's
+file has it (:func:`read_q8_head`). Tensor names are the HF ones, and the
 Llama q/k rows are permuted back as transformers does when it dequantizes, so row ``i``
 here is row ``i`` of the converted checkpoint.
 """
@@ -67,6 +69,33 @@ class Q4Weight:
         """Stacked along the output rows (q, k, v into one qkv matrix)."""
         return Q4Weight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
                         torch.cat([p.m for p in parts]))
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """``w[n, k] = d[n, k // 32] · q[n, k]`` for a ``[out, in]`` matrix (GGUF ``Q8_0``)."""
+
+    q: torch.Tensor  # [out, in] int8
+    d: torch.Tensor  # [out, in / 32] fp32 (exact: fp16 in the file)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] fp32, exact
+        out, k = self.shape
+        return (self.d[..., None] * self.q.view(out, k // GROUP, GROUP).float()).view(out, k)
+
+
+LM_HEAD = "lm_head.weight"  # the key of the Q8_0 head among the 4-bit matrices
+
+
+def _unpack_q8_0(blocks: np.ndarray, out: int, k: int) -> Q8Weight:
+    """Raw ``[out, bytes per row]`` uint8 rows of Q8_0 blocks (34 bytes per 32 weights)."""
+    b = np.ascontiguousarray(blocks).reshape(out, k // GROUP, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = b[..., 2:].copy().view(np.int8).reshape(out, k)
+    return Q8Weight(torch.from_numpy(q.copy()), torch.from_numpy(d.copy()))
 
 
 def _unpack(blocks: np.ndarray, out: int, k: int, has_min: bool) -> Q4Weight:
@@ -140,12 +169,29 @@ def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
     return weights
 
 
-def save_q4_weights(path: Path, weights: dict[str, Q4Weight]) -> None:
+def read_q8_head(gguf_path: Path, tied: bool) -> Q8Weight | None:
+    """The LM head when the file stores it as Q8_0: ``output.weight``, else (``tied``: the
+    model reuses its embedding) ``token_embd.weight``; None otherwise."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    tensor = tensors.get("output.weight") or (tensors.get("token_embd.weight") if tied
+                                              else None)
+    if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q8_0:
+        return None
+    k, out = (int(v) for v in tensor.shape[:2])
+    return _unpack_q8_0(tensor.data, out, k) if k % GROUP == 0 else None
+
+
+def save_q4_weights(path: Path, weights: dict[str, Q4Weight | Q8Weight]) -> None:
     """Write ``weights`` to one safetensors file (two codes a byte), atomically: reading the
     GGUF takes seconds (its Python reader parses the whole tokenizer), this file loads in a
     fraction of one."""
     tensors: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
+        if isinstance(w, Q8Weight):
+            tensors[f"{name}.q8"], tensors[f"{name}.d"] = w.q.contiguous(), w.d.contiguous()
+            continue
         tensors[f"{name}.q"] = (w.q[:, 0::2] | (w.q[:, 1::2] << 4)).contiguous()
         tensors[f"{name}.d"], tensors[f"{name}.m"] = w.d.contiguous(), w.m.contiguous()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -153,11 +199,14 @@ def save_q4_weights(path: Path, weights: dict[str, Q4Weight]) -> None:
     os.replace(tmp, path)
 
 
-def load_q4_weights(path: Path) -> dict[str, Q4Weight]:
+def load_q4_weights(path: Path) -> dict[str, Q4Weight | Q8Weight]:
     """What :func:`save_q4_weights` wrote."""
     tensors = load_file(str(path))
-    weights: dict[str, Q4Weight] = {}
+    weights: dict[str, Q4Weight | Q8Weight] = {}
     for key in tensors:
+        if key.endswith(".q8"):
+            weights[key[:-3]] = Q8Weight(tensors[key], tensors[f"{key[:-3]}.d"])
+            continue
         if not key.endswith(".q"):
             continue
         name = key[:-2]

@@ -265,14 +265,14 @@ class ModelRunner:
     @torch.inference_mode()
     def time_forward(self, num_tokens: int, context: int = 64) -> float:
         """Seconds for one forward pass with ``num_tokens`` new tokens after ``context`` cached
-        ones, scoring the last row (with CUDA graphs: as a verification step of
-        ``num_tokens`` rows spread over sequences of at most the graphs' query length, which is
-        how such a step is run). Uses the first blocks: call only while no request holds
-        blocks."""
+        ones, every row scored, as in a verification step, whose rows the LM head scores
+        (with CUDA graphs: ``num_tokens`` rows spread over sequences of at most the graphs'
+        query length, which is how such a step is run). Uses the first blocks: call only
+        while no request holds blocks."""
         width = self.graphs.max_query_len if self.graphs is not None else num_tokens
         seqs = -(-num_tokens // width)
         return self.time_decode(seqs, context, width, num_tokens=num_tokens,
-                                share_blocks=True, score_all=self.graphs is not None)
+                                share_blocks=True, score_all=True)
 
     @torch.inference_mode()
     def time_decode(self, batch: int, context: int, width: int = 1, *,

@@ -12,8 +12,10 @@ kernel is about 3x slower on AVX2-only machines than on AVX512-BF16 ones), so
 start-up and keeps the fastest; ``"int4-q8"`` / ``"int4"`` force one (an error where it
 cannot run) and ``"dense"`` never uses 4-bit weights. The
 decision and its reason go to the start-up log, ``/health`` (``"weights"``) and the
-``quickdraft serve`` start-up lines. Dense weights stay loaded: the LM head and embedding
-are dense in any case (SmolLM2's tied embedding is Q8_0, not a 4-bit format).
+``quickdraft serve`` start-up lines. Dense weights stay loaded. The embedding lookup is
+dense in any case; with ``"int4-q8"`` the LM head runs on the file's own Q8_0 blocks when it
+has them (SmolLM2's tied embedding is Q8_0: 30 MB read per step instead of 56 MB in bf16),
+with ``"int4"`` it stays dense.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ log = logging.getLogger(__name__)
 # (engine.models.llama.FOUR_BIT_KERNELS)
 KERNEL_OF = {"int4-q8": "q8", "int4": "torch"}
 DERIVED_FILE_PREFIX = "q4_weights"  # files quickdraft derives beside a checkpoint
-Q4_CACHE_FILE = f"{DERIVED_FILE_PREFIX}-v1.safetensors"  # bump the version on change
+Q4_CACHE_FILE = f"{DERIVED_FILE_PREFIX}-v2.safetensors"  # bump the version on change
 
 
 @dataclass(frozen=True)
@@ -140,9 +142,13 @@ def _q4_weights(source: Path, model_dir: Path, hf_config: Any) -> dict[str, Any]
         except Exception as exc:  # a damaged cache file: read the GGUF again
             log.warning("ignoring %s (%s)", cached, exc)
     model_type = getattr(hf_config, "model_type", "llama")
-    q4 = gguf_quant.read_q4_weights(
+    q4: dict[str, Any] = gguf_quant.read_q4_weights(
         source, llama_permute=model_type in ("llama", "mistral"),
         num_heads=hf_config.num_attention_heads, num_kv_heads=hf_config.num_key_value_heads)
+    head = gguf_quant.read_q8_head(source, bool(getattr(hf_config, "tie_word_embeddings",
+                                                        False)))
+    if head is not None:  # (int4-q8 runs it; the int4 path keeps the dense head)
+        q4[gguf_quant.LM_HEAD] = head
     try:
         gguf_quant.save_q4_weights(cached, q4)
     except OSError as exc:  # a read-only cache still works, only slower to start

@@ -21,6 +21,9 @@
  * Layout (kernels/cpu_q4q8.py packs it; see QD_TILE): output columns in groups of 8, each
  * group's blocks interleaved column by column: codes [n/8][k/32][4][8][4] uint8, scales d
  * and offsets mn [n/8][k/32][8] fp16.
+ *
+ * qd_q8q8_linear does the same for Q8_0 weights (w = d * q, q int8: a GGUF's 8-bit LM head /
+ * tied embedding), with its own layout (see QD_TILE8).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -84,6 +87,17 @@ static void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq, float*
 }
 
 
+/* Row r's 8 accumulated columns of group cg, rounded to bf16, into y [rows, n]. */
+static inline __attribute__((always_inline)) QD_AVX2 void store_rows(const __m256* acc, int R,
+                                                                     uint16_t* y, int cg,
+                                                                     int n) {
+    for (int r = 0; r < R; r++) {
+        float out[8];
+        _mm256_storeu_ps(out, acc[r]);
+        for (int i = 0; i < 8; i++) y[(size_t)r * n + (size_t)cg * 8 + i] = f32_to_bf16(out[i]);
+    }
+}
+
 /* 8 output columns (group ``cg``) for R rows of x. The weights of a group are interleaved
  * so that 32-bit lane i of every vector belongs to column i: block g of the group is 4
  * 32-byte chunks, chunk j holding for each column 4 bytes whose low nibbles are the codes of
@@ -124,11 +138,7 @@ static void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq, float*
                     mv, _mm256_set1_ps(sumx[(size_t)r * groups + g]), acc[r]);             \
             }                                                                              \
         }                                                                                  \
-        for (int r = 0; r < R; r++) {                                                      \
-            float out[8];                                                                  \
-            _mm256_storeu_ps(out, acc[r]);                                                 \
-            for (int i = 0; i < 8; i++) y[(size_t)r * n + (size_t)cg * 8 + i] = f32_to_bf16(out[i]); \
-        }                                                                                  \
+        store_rows(acc, R, y, cg, n);                                                      \
     }
 
 static inline int32_t load4(const int8_t* p) {
@@ -187,11 +197,92 @@ QD_TILE(tile_vnni, QD_VNNI, dot8_vnni)
 QD_COLUMNS(columns_avx2, QD_AVX2, tile_avx2)
 QD_COLUMNS(columns_vnni, QD_VNNI, tile_vnni)
 
+/* ---- Q8_0 weights (w = d * q, q int8, blocks of 32): a model's 8-bit LM head --------------
+ * Layout: codes [n/8][k/32][8][8][4] int8 (block g of a column group: 8 chunks of 32 bytes,
+ * chunk j holding for each column the 4 codes of k = 32g + 4j .. +3), d [n/8][k/32][8] fp16.
+ * The products are signed x signed: both loops feed |w| (unsigned) and x with w's sign
+ * (vpsignb) to the unsigned x signed instructions, so the integers are exact and the same on
+ * VNNI and AVX2 (|pair| <= 2 * 128 * 127 < 2^15 for vpmaddubsw). Per row and block:
+ *     acc = fma(float(isum), d * sx, acc). */
+static inline __attribute__((always_inline)) QD_VNNI __m256i dot8s_vnni(const __m256i* aw,
+                                                                        const __m256i* w,
+                                                                        const int8_t* xb) {
+    __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+        a = _mm256_dpbusd_epi32(a, aw[j], _mm256_sign_epi8(
+            _mm256_set1_epi32(load4(xb + 4 * j)), w[j]));
+        b = _mm256_dpbusd_epi32(b, aw[j + 1], _mm256_sign_epi8(
+            _mm256_set1_epi32(load4(xb + 4 * j + 4)), w[j + 1]));
+    }
+    return _mm256_add_epi32(a, b);
+}
+
+static inline __attribute__((always_inline)) QD_AVX2 __m256i dot8s_avx2(const __m256i* aw,
+                                                                        const __m256i* w,
+                                                                        const int8_t* xb) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load4(xb + 4 * j)), w[j]);
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[j], xs), ones));
+    }
+    return s;
+}
+
+#define QD_TILE8(NAME, TARGET, DOT8)                                                       \
+    static inline __attribute__((always_inline)) TARGET void NAME(                         \
+            const int R, const int8_t* codes, const uint16_t* d, const int8_t* xq,         \
+            const float* sx, uint16_t* y, int cg, int n, int k) {                          \
+        const int groups = k / 32;                                                         \
+        __m256 acc[QD_MAX_ROWS];                                                           \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                          \
+        const int8_t* cb = codes + (size_t)cg * groups * 256;                              \
+        const uint16_t* db = d + (size_t)cg * groups * 8;                                  \
+        for (int g = 0; g < groups; g++) {                                                 \
+            __m256i w[8], aw[8];                                                           \
+            for (int j = 0; j < 8; j++) {                                                  \
+                w[j] = _mm256_loadu_si256((const __m256i*)(cb + g * 256 + 32 * j));        \
+                aw[j] = _mm256_abs_epi8(w[j]);                                             \
+            }                                                                              \
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(db + g * 8))); \
+            for (int r = 0; r < R; r++) {                                                  \
+                const __m256i isum = DOT8(aw, w, xq + (size_t)r * k + (size_t)g * 32);     \
+                const __m256 scale = _mm256_mul_ps(                                        \
+                    dv, _mm256_set1_ps(sx[(size_t)r * groups + g]));                       \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[r]);         \
+            }                                                                              \
+        }                                                                                  \
+        store_rows(acc, R, y, cg, n);                                                      \
+    }
+
+QD_TILE8(tile8_avx2, QD_AVX2, dot8s_avx2)
+QD_TILE8(tile8_vnni, QD_VNNI, dot8s_vnni)
+
+#define QD_COLUMNS8(NAME, TARGET, TILE)                                                    \
+    static TARGET void NAME(int R, const int8_t* codes, const uint16_t* d, const int8_t* xq, \
+                            const float* sx, uint16_t* y, int lo, int hi, int n, int k) {  \
+        for (int cg = lo; cg < hi; cg++) {                                                 \
+            switch (R) {                                                                   \
+            case 1: TILE(1, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 2: TILE(2, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 3: TILE(3, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 4: TILE(4, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 5: TILE(5, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 6: TILE(6, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 7: TILE(7, codes, d, xq, sx, y, cg, n, k); break;                         \
+            default: TILE(8, codes, d, xq, sx, y, cg, n, k); break;                        \
+            }                                                                              \
+        }                                                                                  \
+    }
+QD_COLUMNS8(columns8_avx2, QD_AVX2, tile8_avx2)
+QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
+
 /* y [rows, n] bf16 = x [rows, k] bf16 @ W^T. ``scratch`` holds rows * (k + 8 * k / 32) bytes
  * (the int8 rows and their block scales and sums). Returns 0, or -1 for shapes it does not
  * take (k % 32 != 0, n < 1, rows < 1). */
-int qd_q4q8_linear(const uint16_t* x, const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
-                   uint16_t* y, int rows, int n, int k, int threads, int vnni, void* scratch) {
+static int linear_any(const uint16_t* x, const void* codes, const uint16_t* d,
+                      const uint16_t* mn, int eight_bit, uint16_t* y, int rows, int n, int k,
+                      int threads, int vnni, void* scratch) {
     if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32) return -1;
     const int groups = k / 32;
     int8_t* xq = (int8_t*)scratch;
@@ -200,7 +291,7 @@ int qd_q4q8_linear(const uint16_t* x, const uint8_t* codes, const uint16_t* d, c
     quantize_rows(x, rows, k, xq, sx, sumx, threads < 1 ? 1 : threads);
     const int col_groups = n / 8;
     const int tasks = (col_groups + QD_GROUPS_PER_TASK - 1) / QD_GROUPS_PER_TASK;
-    const size_t bytes = (size_t)n * groups * 20;
+    const size_t bytes = (size_t)n * groups * (eight_bit ? 34 : 20);
     if (threads < 1 || bytes < QD_SERIAL_BYTES) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < tasks; t++) {
@@ -212,11 +303,27 @@ int qd_q4q8_linear(const uint16_t* x, const uint8_t* codes, const uint16_t* d, c
             const float* sr = sx + (size_t)r0 * groups;
             const float* ur = sumx + (size_t)r0 * groups;
             uint16_t* yr = y + (size_t)r0 * n;
-            if (vnni)
-                columns_vnni(R, codes, d, mn, xr, sr, ur, yr, lo, hi, n, k);
+            if (eight_bit && vnni)
+                columns8_vnni(R, (const int8_t*)codes, d, xr, sr, yr, lo, hi, n, k);
+            else if (eight_bit)
+                columns8_avx2(R, (const int8_t*)codes, d, xr, sr, yr, lo, hi, n, k);
+            else if (vnni)
+                columns_vnni(R, (const uint8_t*)codes, d, mn, xr, sr, ur, yr, lo, hi, n, k);
             else
-                columns_avx2(R, codes, d, mn, xr, sr, ur, yr, lo, hi, n, k);
+                columns_avx2(R, (const uint8_t*)codes, d, mn, xr, sr, ur, yr, lo, hi, n, k);
         }
     }
     return 0;
+}
+
+/* 4-bit weights (the layout above QD_TILE). */
+int qd_q4q8_linear(const uint16_t* x, const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
+                   uint16_t* y, int rows, int n, int k, int threads, int vnni, void* scratch) {
+    return linear_any(x, codes, d, mn, 0, y, rows, n, k, threads, vnni, scratch);
+}
+
+/* Q8_0 weights (the layout above QD_TILE8); same scratch. */
+int qd_q8q8_linear(const uint16_t* x, const int8_t* codes, const uint16_t* d, uint16_t* y,
+                   int rows, int n, int k, int threads, int vnni, void* scratch) {
+    return linear_any(x, codes, d, NULL, 1, y, rows, n, k, threads, vnni, scratch);
 }

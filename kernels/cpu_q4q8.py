@@ -53,16 +53,43 @@ class Q4Q8Weight:
     in_features: int
 
 
+@dataclass(frozen=True)
+class Q8Q8Weight:
+    """A ``[out, in]`` Q8_0 matrix (``w = d · q``, ``q`` int8) in the kernel's layout."""
+
+    codes: torch.Tensor  # [out/8, in/32, 8, 8, 4] int8: block, chunk j, column, byte
+    d: torch.Tensor  # [out/8, in/32, 8] fp16 (column-interleaved block scales)
+    out_features: int
+    in_features: int
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> Any | None:
+    return cbuild.load("cpu_q4q8", _SOURCE, _CFLAGS, _CPU_FLAGS)
+
+
 @functools.lru_cache(maxsize=1)
 def _kernel() -> tuple[Any, int] | None:
     """The ctypes function ``qd_q4q8_linear`` and whether to use its VNNI loop."""
-    lib = cbuild.load("cpu_q4q8", _SOURCE, _CFLAGS, _CPU_FLAGS)
+    lib = _library()
     if lib is None:
         return None
     fn = lib.qd_q4q8_linear
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn, int(cbuild.cpu_has(_VNNI_FLAGS))
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel8() -> Any | None:
+    """The ctypes function ``qd_q8q8_linear`` (Q8_0 weights)."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn = lib.qd_q8q8_linear
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def available() -> bool:
@@ -114,12 +141,29 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Q8Weight:
     return Q4Q8Weight(codes, interleave(d), interleave(m), out, k)
 
 
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> Q8Q8Weight:
+    """From Q8_0 codes ``q[out, in]`` (int8) and per-32 scales ``d [out, in / 32]`` with
+    ``w = d · q``."""
+    out, k = q.shape
+    if not supports(out, k) or d.shape != (out, k // GROUP):
+        raise ValueError(f"q8q8 weights need out % {COLUMNS} == 0, in % {GROUP} == 0 and "
+                         f"[out, in/{GROUP}] scales; got q {tuple(q.shape)}, d "
+                         f"{tuple(d.shape)}")
+    groups = k // GROUP
+    # [col group, column, block, chunk j, byte b] -> [cg, g, j, col, b]
+    q5 = q.to(torch.int8).reshape(out // COLUMNS, COLUMNS, groups, 8, 4)
+    codes = q5.permute(0, 2, 3, 1, 4).contiguous()
+    scales = d.to(torch.float16).reshape(out // COLUMNS, COLUMNS, groups).permute(0, 2, 1)
+    return Q8Q8Weight(codes, scales.contiguous(), out, k)
+
+
 def scratch_bytes(rows: int, in_features: int) -> int:
     """Bytes of scratch the kernel needs for ``rows`` rows (int8 x, block scales, sums)."""
     return rows * (in_features + 8 * (in_features // GROUP))
 
 
-def linear(x: torch.Tensor, weight: Q4Q8Weight, *, vnni: bool | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight, *,
+           vnni: bool | None = None) -> torch.Tensor:
     """``x @ w.T``: x ``[rows, in]`` (any float dtype; read as bf16) -> ``[rows, out]`` in
     x's dtype. ``vnni`` forces the inner loop (None: VNNI where the CPU has it; False runs
     the AVX2 loop of the other CPU kind). Raises RuntimeError when the kernel is unavailable
@@ -134,14 +178,22 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight, *, vnni: bool | None = None) -> 
     use_vnni = has_vnni if vnni is None else int(vnni)
     xb = (x if x.dtype is _BF16 else x.to(_BF16)).contiguous()
     rows = xb.numel() // weight.in_features
-    if xb.shape[-1] != weight.in_features or rows < 1:
+    if xb.shape[-1] != weight.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a [{weight.out_features}, "
                          f"{weight.in_features}] weight")
     y = torch.empty(rows, weight.out_features, dtype=_BF16)
+    if rows == 0:  # (a step that samples no row: the LM head gets none)
+        return y.view(*x.shape[:-1], weight.out_features).to(x.dtype)
     scratch = torch.empty(scratch_bytes(rows, weight.in_features), dtype=torch.uint8)
-    rc = fn(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
-            y.data_ptr(), rows, weight.out_features, weight.in_features,
-            torch.get_num_threads(), use_vnni, scratch.data_ptr())
+    shape = (rows, weight.out_features, weight.in_features, torch.get_num_threads(), use_vnni)
+    if isinstance(weight, Q8Q8Weight):
+        fn8 = _kernel8()
+        assert fn8 is not None  # the same library as fn
+        rc = fn8(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(), y.data_ptr(),
+                 *shape, scratch.data_ptr())
+    else:
+        rc = fn(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
+                weight.m.data_ptr(), y.data_ptr(), *shape, scratch.data_ptr())
     if rc != 0:
         raise ValueError(f"q4q8 kernel rejected shapes rows={rows} out="
                          f"{weight.out_features} in={weight.in_features}")

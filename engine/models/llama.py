@@ -8,7 +8,7 @@ relevant piece (RMSNorm, RoPE, residuals) follows HF transformers so fp32 result
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -17,27 +17,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.engine.gguf_quant import Q4Weight
+from quickdraft.engine.gguf_quant import LM_HEAD, Q4Weight, Q8Weight
 from quickdraft.engine.models.rope import RotaryEmbedding
 from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, cpu_q4q8, torch_ops
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.kernels.cpu_int4 import Int4Weight
-from quickdraft.kernels.cpu_q4q8 import Q4Q8Weight
+from quickdraft.kernels.cpu_q4q8 import Q4Q8Weight, Q8Q8Weight
 
 # A linear layer's 4-bit copy, by kernel: "torch" (ATen's int4 kernel, bf16 activations) or
-# "q8" (kernels.cpu_q4q8: activations rounded to 8 bits, cheap extra rows).
+# "q8" (kernels.cpu_q4q8: activations rounded to 8 bits, cheap extra rows; with it the LM
+# head runs on the file's Q8_0 blocks where it has them).
 FOUR_BIT_KERNELS = ("torch", "q8")
-FourBitWeight = Int4Weight | Q4Q8Weight
+FourBitWeight = Int4Weight | Q4Q8Weight | Q8Q8Weight
 
 
 def _four_bit_linear(x: torch.Tensor, weight: FourBitWeight) -> torch.Tensor:
-    if isinstance(weight, Q4Q8Weight):
+    if isinstance(weight, Q4Q8Weight | Q8Q8Weight):
         return cpu_q4q8.linear(x, weight)
     return cpu_int4.linear(x, weight)
 
 
+def _q4(weight: Q4Weight | Q8Weight) -> Q4Weight:
+    assert isinstance(weight, Q4Weight), "the layers' matrices are 4-bit"
+    return weight
+
+
 def _native_parts(weight: FourBitWeight) -> tuple[torch.Tensor, ...]:
     """The tensors :func:`kernels.cpu_layer.layer_weights` takes for one matrix."""
+    assert not isinstance(weight, Q8Q8Weight), "the layers' matrices are 4-bit"
     if isinstance(weight, Q4Q8Weight):
         return weight.codes, weight.d, weight.m
     return weight.packed, weight.scales_and_zeros
@@ -332,11 +339,14 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.bind_native(enabled)
 
-    def attach_int4_weights(self, weights: dict[str, Q4Weight], kernel: str = "torch") -> int:
+    def attach_int4_weights(self, weights: Mapping[str, Q4Weight | Q8Weight],
+                            kernel: str = "torch") -> int:
         """Give the layers 4-bit copies of their weights from ``weights`` (HF names, e.g. a
         GGUF's Q4_1 matrices), packed for ``kernel`` (one of :data:`FOUR_BIT_KERNELS`); a
-        fused matrix (qkv, gate_up) only when all its parts are there. Returns how many
-        linear layers have one (an empty dict drops them all)."""
+        fused matrix (qkv, gate_up) only when all its parts are there. With the ``"q8"``
+        kernel the LM head gets the Q8_0 copy under ``gguf_quant.LM_HEAD`` when there is one.
+        Returns how many decoder-layer linear layers have one (an empty dict drops them
+        all, the head's too)."""
         if kernel not in FOUR_BIT_KERNELS:
             raise ValueError(f"4-bit kernel {kernel!r} is not one of {FOUR_BIT_KERNELS}")
         module = cpu_q4q8 if kernel == "q8" else cpu_int4
@@ -349,7 +359,7 @@ class LlamaForCausalLM(nn.Module):
                 names = [f"{prefix}{part}.weight" for part in parts]
                 if (weights and all(n in weights for n in names)
                         and module.supports(*linear.weight.shape)):
-                    q4 = Q4Weight.cat([weights[n] for n in names])
+                    q4 = Q4Weight.cat([_q4(weights[n]) for n in names])
                     if q4.shape != tuple(linear.weight.shape):
                         raise ValueError(f"{names[0]}: 4-bit shape {q4.shape}, expected "
                                          f"{tuple(linear.weight.shape)}")
@@ -357,6 +367,14 @@ class LlamaForCausalLM(nn.Module):
                     count += 1
                 else:
                     linear.int4, linear.use_int4 = None, False
+        head = weights.get(LM_HEAD)
+        self.lm_head.int4, self.lm_head.use_int4 = None, False
+        if kernel == "q8" and isinstance(head, Q8Weight):
+            if head.shape != tuple(self.lm_head.weight.shape):
+                raise ValueError(f"{LM_HEAD}: Q8_0 shape {head.shape}, expected "
+                                 f"{tuple(self.lm_head.weight.shape)}")
+            if cpu_q4q8.supports(*head.shape):
+                self.lm_head.int4 = cpu_q4q8.pack_q8(head.q, head.d)
         self._bind_native_layers()
         return count
 

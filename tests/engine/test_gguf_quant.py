@@ -69,15 +69,46 @@ def test_default_model_blocks_equal_the_converted_checkpoint(default_model_dir):
         assert torch.equal(w.dequantize(), dense[name]), name
 
 
+def _q8_0_blocks(rows: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(rows, k // 32, 34), dtype=np.uint8)
+    fp = (rng.standard_normal((rows, k // 32, 1)) * 0.01).astype(np.float16)
+    b[..., :2] = fp.view(np.uint8).reshape(rows, k // 32, 2)
+    return b.reshape(rows, -1)
+
+
+def test_q8_0_unpack_equals_gguf_dequantize():
+    rows, k = 6, 128
+    blocks = _q8_0_blocks(rows, k, seed=4)
+    w = gguf_quant._unpack_q8_0(blocks, rows, k)
+    assert w.q.dtype == torch.int8 and w.shape == (rows, k)
+    want = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(rows, k))
+    assert torch.equal(w.dequantize(), want)
+
+
+@pytest.mark.slow
+def test_default_model_q8_head_equals_the_converted_embedding(default_model_dir):
+    """SmolLM2's tied embedding is Q8_0: read as the LM head, it dequantizes bit for bit to
+    the fp32 embedding transformers made."""
+    head = gguf_quant.read_q8_head(loader.default_gguf_path(), tied=True)
+    assert head is not None
+    dense = dict(loader.iter_safetensors(default_model_dir))
+    assert torch.equal(head.dequantize(), dense["model.embed_tokens.weight"])
+    assert gguf_quant.read_q8_head(loader.default_gguf_path(), tied=False) is None
+
+
 def test_cache_file_round_trips(tmp_path):
-    w = {f"model.layers.{i}.mlp.up_proj.weight": gguf_quant._unpack(
-        _random_blocks(GGMLQuantizationType.Q4_1, 16, 64, seed=i), 16, 64, has_min=True)
+    w: dict[str, gguf_quant.Q4Weight | gguf_quant.Q8Weight] = {
+        f"model.layers.{i}.mlp.up_proj.weight": gguf_quant._unpack(
+            _random_blocks(GGMLQuantizationType.Q4_1, 16, 64, seed=i), 16, 64, has_min=True)
         for i in range(2)}
+    w[gguf_quant.LM_HEAD] = gguf_quant._unpack_q8_0(_q8_0_blocks(8, 64, seed=9), 8, 64)
     path = tmp_path / "q4.safetensors"
     gguf_quant.save_q4_weights(path, w)
     back = gguf_quant.load_q4_weights(path)
     assert back.keys() == w.keys()
     for name in w:
+        assert type(back[name]) is type(w[name])
         assert torch.equal(back[name].q, w[name].q)
         assert torch.equal(back[name].dequantize(), w[name].dequantize())
     assert [p.name for p in tmp_path.iterdir()] == ["q4.safetensors"]  # no temp file left

@@ -38,6 +38,10 @@ def test_int4_is_chosen_and_reported(int4_engine):
     assert w["format"] == int4_engine.config.weights
     assert w["int4_layers"] == 4 * 30  # qkv, o, gate_up, down
     assert w["native_layers"] == 30
+    # int4-q8 also runs the LM head on the file's Q8_0 blocks (the tied embedding)
+    head = int4_engine.runner.model.lm_head
+    assert isinstance(head.int4, cpu_q4q8.Q8Q8Weight) == (w["format"] == "int4-q8")
+    assert head.use_int4 == (w["format"] == "int4-q8")
 
 
 def _prompt_logits(llm: LLMEngine, ids: list[int]) -> torch.Tensor:  # [len, vocab] fp32

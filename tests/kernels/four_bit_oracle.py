@@ -1,4 +1,5 @@
-"""Random 4-bit block weights and their dense form, for the 4-bit kernels' reference tests."""
+"""Random 4-bit block weights and their dense form, and activations rounded to 8 bits as
+llama.cpp's Q8 scheme does: the references of the 4-bit and 8-bit CPU kernels' tests."""
 
 from __future__ import annotations
 
@@ -22,3 +23,16 @@ def dense(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
     out, k = q.shape
     return (d.to(dtype)[..., None] * q.reshape(out, k // 32, 32).to(dtype)
             + m.to(dtype)[..., None]).view(out, k)
+
+
+def q8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the q4q8/q8q8 kernels round it: per block of 32, sx = max|x| / 127
+    (fp32), xq = round-half-even(x · 127 / max|x|) (fp32 product); returned as sx · xq in
+    fp64."""
+    rows, k = x.shape
+    xf = x.float().view(rows, k // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # (a true division: ``127.0 / tensor`` is reciprocal-then-multiply in torch)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xf * inv).clamp(-127, 127)
+    return (xq.double() * (amax / 127.0).double()).view(rows, k)

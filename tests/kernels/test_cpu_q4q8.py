@@ -7,6 +7,7 @@ import torch
 
 from quickdraft.kernels import cpu_q4q8
 from tests.kernels.four_bit_oracle import dense
+from tests.kernels.four_bit_oracle import q8_rounded as _q8_reference
 from tests.kernels.four_bit_oracle import random_q4_weights as _weights
 
 pytestmark = pytest.mark.skipif(not cpu_q4q8.available(), reason="q4q8 kernel not built here")
@@ -14,18 +15,6 @@ pytestmark = pytest.mark.skipif(not cpu_q4q8.available(), reason="q4q8 kernel no
 
 def _dense(q, d, m) -> torch.Tensor:  # fp64 [out, k]
     return dense(q, d, m, torch.float64)
-
-
-def _q8_reference(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the kernel rounds it: per block of 32, sx = max|x| / 127 (fp32),
-    xq = round-half-even(x · 127 / max|x|) (fp32 product); returned as sx · xq in fp64."""
-    rows, k = x.shape
-    xf = x.float().view(rows, k // 32, 32)
-    amax = xf.abs().amax(-1, keepdim=True)
-    # (a true division: ``127.0 / tensor`` is reciprocal-then-multiply in torch)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    xq = torch.round(xf * inv).clamp(-127, 127)
-    return (xq.double() * (amax / 127.0).double()).view(rows, k)
 
 
 @pytest.mark.parametrize(("out", "k"), [(960, 576), (64, 1536), (48, 64), (8, 32)])

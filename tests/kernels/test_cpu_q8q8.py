@@ -1,0 +1,82 @@
+"""kernels.cpu_q4q8's Q8_0-weight path (the 8-bit LM head): 8-bit weights x 8-bit
+activations, against a plain-torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft.engine.gguf_quant import Q8Weight
+from quickdraft.kernels import cpu_q4q8
+from tests.kernels.four_bit_oracle import q8_rounded
+
+pytestmark = pytest.mark.skipif(not cpu_q4q8.available(), reason="q4q8 kernel not built here")
+
+
+def _weights(out: int, k: int, seed: int) -> Q8Weight:
+    """Codes over the whole int8 range (-128 included, which a Q8_0 file may hold) and fp16
+    block scales."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (out, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(out, k // 32, generator=g) * 0.01 + 1e-4).half().float()
+    return Q8Weight(q, d)
+
+
+@pytest.mark.parametrize(("out", "k"), [(1024, 576), (64, 1536), (8, 32)])
+@pytest.mark.parametrize("rows", [1, 4, 8, 11])
+def test_linear_matches_the_q8_reference(out, k, rows):
+    """Against x rounded to 8 bits as the kernel does and the exact weights in fp64, only
+    fp32 accumulation and the output's bf16 rounding are left."""
+    w = _weights(out, k, seed=out + k)
+    packed = cpu_q4q8.pack_q8(w.q, w.d)
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
+    y = cpu_q4q8.linear(x, packed)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
+    dense = w.dequantize().double()
+    ref = q8_rounded(x) @ dense.t()
+    magnitude = q8_rounded(x).abs() @ dense.abs().t()
+    error = (y.double() - ref).abs()
+    assert bool((error <= 2 ** -8 * ref.abs() + 1e-6 * magnitude).all())
+    torch.testing.assert_close(y.double(), x.double() @ dense.t(), rtol=0.03,
+                               atol=0.03 * float(ref.abs().max()))
+
+
+def test_rows_threads_and_instruction_sets_give_the_same_bits():
+    w = _weights(256, 576, seed=3)
+    packed = cpu_q4q8.pack_q8(w.q, w.d)
+    x = torch.randn(17, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
+    alone = torch.cat([cpu_q4q8.linear(x[i:i + 1], packed) for i in range(17)])
+    for rows in (2, 8, 9, 17):
+        assert torch.equal(cpu_q4q8.linear(x[:rows], packed), alone[:rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_q4q8.linear(x, packed), alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cpu_q4q8.linear(x, packed, vnni=False), alone)
+
+
+def test_extreme_codes_do_not_saturate():
+    """Every code -128 or 127 against x at +-127 after rounding: the AVX2 loop's 16-bit pair
+    sums (|2 · 128 · 127| < 2^15) must not saturate; the result is exact integer arithmetic."""
+    k = 64
+    q = torch.full((8, k), -128, dtype=torch.int8)
+    q[4:] = 127
+    d = torch.ones(8, k // 32)
+    x = torch.full((1, k), -1.0, dtype=torch.bfloat16)  # rounds to -127, sx = 1/127
+    packed = cpu_q4q8.pack_q8(q, d)
+    want = torch.tensor([[128.0 * k] * 4 + [-127.0 * k] * 4])  # isum / 127, exact in bf16
+    for vnni in ((False, True) if cpu_q4q8.uses_vnni() else (False,)):
+        y = cpu_q4q8.linear(x, packed, vnni=vnni).float()
+        torch.testing.assert_close(y, want.bfloat16().float(), rtol=0, atol=0)
+
+
+def test_bad_shapes_are_refused():
+    w = _weights(16, 64, seed=1)
+    with pytest.raises(ValueError, match="q8q8 weights need"):
+        cpu_q4q8.pack_q8(w.q[:12], w.d[:12])
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_q4q8.linear(torch.zeros(2, 32), cpu_q4q8.pack_q8(w.q, w.d))
+    # no rows (a step that samples nothing) is an empty product, not an error
+    assert cpu_q4q8.linear(torch.zeros(0, 64), cpu_q4q8.pack_q8(w.q, w.d)).shape == (0, 16)
