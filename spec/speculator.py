@@ -113,7 +113,7 @@ class Speculator:
         self.proposer = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
         # suffix tries (per request, per tenant); None without gcc: "suffix" drafts n-grams
         self.suffix = SuffixProposer(_suffix_config()) if suffix_tree_available() else None
-        # target-prediction tables (per tenant): "recycling", and "suffix" when nothing matched
+        # target-prediction tables (per tenant): "recycling" and "combined"
         self.recycling = RecyclingProposer(vocab_size) if vocab_size else None
         self.policy = policy
         self.kv = kv
@@ -138,9 +138,15 @@ class Speculator:
 
     def _candidate(self, request: Request, k: int) -> _Candidate | None:
         """The request's proposal under its method: ``suffix`` drafts the suffix trie's
-        chain and, when nothing matches, a token-recycling tree; ``recycling`` the tree;
-        ``ngram`` a chain; ``combined`` every model-free proposal merged into one tree
-        (the draft model when none has anything); ``draft`` the draft model."""
+        chain; ``recycling`` a token-recycling tree; ``ngram`` a chain; ``combined`` every
+        model-free proposal merged into one tree (the draft model when none has anything);
+        ``draft`` the draft model.
+
+        (``suffix`` used to fall back to a recycling tree when nothing matched. On SmolLM2
+        on a 2-core CPU that lost: keeping the tables costs ~0.4 ms a step, every step, and
+        the fallback trees were rarely accepted; measured without it, suffix went from
+        0.97x to 1.08x on summaries and from 1.53x to 1.76x on code edits. See
+        docs/benchmarks.md.)"""
         method = self.method_of(request)
         if method == "combined":
             free = self._combined(request, k)
@@ -161,8 +167,7 @@ class Speculator:
             found = self._chain(request, "suffix", self.suffix.propose(request, k).tokens)
         elif method in ("ngram", "suffix"):
             found = self._chain(request, "ngram", self._ngram(request, k))
-        if found is None and method in ("suffix", "recycling"):
-            # nothing to copy (a chat prompt): follow the target's own recent predictions
+        if method == "recycling":
             found = self._recycling_tree(request)
         return found
 
@@ -238,7 +243,7 @@ class Speculator:
         order); None (no top-k computed) when none of them drafts with recycling."""
         if self.recycling is None:
             return None
-        wanted = [self.method_of(r) in ("suffix", "recycling", "combined")
+        wanted = [self.method_of(r) in ("recycling", "combined")
                   and supports_speculation(r.sampling_params) for r in requests]
         if not any(wanted):
             return None
