@@ -59,6 +59,27 @@ def test_greedy_accepts_none_some_all_and_bonus() -> None:
     assert out.logprobs is None
 
 
+def test_all_greedy_fast_path_equals_the_general_path() -> None:
+    """An all-greedy batch takes a shortcut (one argmax, a Python walk); asking for logprobs
+    takes the general path: the same tokens on random logits with ties and random drafts."""
+    g = seeded(3)
+    for trial in range(20):
+        lengths = torch.randint(0, 5, (6,), generator=g).tolist()
+        logits = torch.randint(0, 4, (sum(lengths) + 6, 7), generator=g).float()  # ties
+        argmax = logits.argmax(-1).tolist()
+        drafts, row = [], 0
+        for n in lengths:  # drafts that follow the argmax for a while, then may not
+            take = int(torch.randint(0, n + 1, (1,), generator=g))
+            drafts.append(argmax[row:row + take]
+                          + torch.randint(0, 7, (n - take,), generator=g).tolist())
+            row += n + 1
+        fast = rejection_sample(logits, drafts, None, make_batch([GREEDY] * 6))
+        general = rejection_sample(logits, drafts, None,
+                                   make_batch([SamplingParams(temperature=0.0, logprobs=1)] * 6))
+        assert fast.token_ids == general.token_ids, trial
+        assert fast.num_accepted == general.num_accepted
+
+
 def test_greedy_ignores_draft_probs_and_matches_plain_greedy_ties() -> None:
     logits = torch.tensor([[1.0, 2.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # ties
     probs = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
