@@ -26,17 +26,18 @@ from quickdraft.engine.models.llama import ModelShape
 from quickdraft.engine.outputs import RequestOutput, Usage
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
-from quickdraft.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from quickdraft.engine.scheduler import RequestUpdate, Scheduler
 from quickdraft.engine.step_plan import CHECK_INVARIANTS
 from quickdraft.spec.draft_head import find_head
 from quickdraft.spec.draft_head_runner import DraftHeadRunner
 from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
 from quickdraft.spec.params import SpeculationParams
-from quickdraft.spec.policy import SpeculationPolicy, StepCost, StepOverhead, measure_step_cost
+from quickdraft.spec.policy import SpeculationPolicy, StepCost, measure_step_cost
 from quickdraft.spec.speculator import Speculator
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
+COST_CONTEXT = 256  # cached positions before the timed tokens of the step-cost curve
 
 
 class InvalidRequestError(InvalidParameterError):
@@ -95,11 +96,8 @@ class LLMEngine:
         self.info = ModelInfo(str(model_dir), architecture, self.max_model_len,
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        step_cost = self._step_cost()
-        policy = SpeculationPolicy(step_cost, config.num_speculative_tokens,
-                                   draft_cost=self._draft_cost(),
-                                   # speculation's own overhead, measured as steps run
-                                   overhead=StepOverhead() if self._cost_measured else None)
+        policy = SpeculationPolicy(self._step_cost(), config.num_speculative_tokens,
+                                   draft_cost=self._draft_cost())
         self.speculation = config.speculation
         if self.speculation == "auto":
             self.speculation = "combined" if self.draft or self.head else "suffix"
@@ -127,13 +125,16 @@ class LLMEngine:
         The sizes straddle every 8-row boundary: the bf16 GEMV kernel takes 8 rows per pass,
         so 9 tokens can cost about as much as 16, which a curve through powers of two would
         miss."""
-        self._cost_measured = False
         if not self.config.measure_step_cost or self.config.speculation == "off":
             return StepCost.memory_bound()
-        self._cost_measured = True
         limit = min(self.config.max_num_batched_tokens, 64)
         sizes = sorted({1, 2, 4, *range(8, 49, 8), *range(9, 50, 8), 64})
-        cost = measure_step_cost(self.runner.time_forward, [n for n in sizes if n <= limit])
+        # after a chat-sized context (where it fits): every verification row attends to the
+        # whole context, so extra rows cost more there than after a short one
+        blocks_needed = cdiv(COST_CONTEXT + limit, self.config.block_size)
+        context = COST_CONTEXT if blocks_needed <= self.runner.num_blocks else 64
+        cost = measure_step_cost(lambda n: self.runner.time_forward(n, context),
+                                 [n for n in sizes if n <= limit])
         log.info("step cost by tokens: %s", dict(zip(cost.num_tokens, cost.seconds, strict=True)))
         return cost
 
@@ -241,20 +242,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
             return self._fail_unschedulable()
-        outputs = self._run(sched)
-        # the wall time of a decode/verification step (drafting, verification and outputs
-        # included): how the policy learns what speculating costs beyond the forward pass
-        if all(s.num_tokens - s.num_draft_tokens == 1 for s in sched.requests):
-            self.speculator.policy.observe_step(
-                sched.num_tokens, time.perf_counter() - start,
-                any(s.num_draft_tokens for s in sched.requests))
-        return outputs
-
-    def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         self.threads.before_step()
         now = time.monotonic()
         requests = [self.scheduler.requests[s.request_id] for s in sched.requests]

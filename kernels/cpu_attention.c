@@ -44,7 +44,7 @@
 
 #define QD_CHUNK 32          /* positions per online-softmax step (multiple of 8) */
 #define QD_MAX_GD 8192       /* max (query heads per kv head) * head_dim per task */
-#define QD_PAR_TASKS 4
+#define QD_PAR_TASKS 2
 #define QD_PAR_CTX 256
 
 enum { QD_OK = 0, QD_EARG = -1, QD_EBLOCK = -2, QD_ELEN = -3, QD_EMASK = -4 };

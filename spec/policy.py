@@ -12,23 +12,13 @@ batch's tokens per second. A request whose acceptance has collapsed therefore ge
 (speculation off); it is probed again with one draft every ``probe_interval`` steps so that
 ``alpha`` can recover. When the batch is large, the cost curve turns speculation down for
 everyone.
-
-What a speculated step costs beyond its forward pass (choosing the drafts, the tree mask,
-verification, moving accepted K/V, the recycling top-k) is not in the row curve. The engine
-reports every step's wall time (:meth:`SpeculationPolicy.observe_step`); the policy keeps the
-recent residuals (wall time minus ``cost(N)``) of plain and of speculated steps apart, and
-their difference of medians (:class:`StepOverhead`) is charged once to any plan that drafts:
-speculation is granted only when the whole plan beats the plain step with it. This is what
-keeps "never slower" true when acceptance is low (a summary that paraphrases its source).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -114,30 +104,6 @@ class AcceptanceTracker:
 
 
 @dataclass
-class StepOverhead:
-    """Seconds a speculated step costs beyond the forward's row curve, measured: the median
-    residual of the last ``window`` speculated steps minus that of plain steps (0 until each
-    kind has ``min_samples``; never negative)."""
-
-    window: int = 64
-    min_samples: int = 4
-    plain: deque[float] = field(default_factory=deque)
-    speculated: deque[float] = field(default_factory=deque)
-
-    def observe(self, residual: float, speculated: bool) -> None:
-        samples = self.speculated if speculated else self.plain
-        samples.append(residual)
-        if len(samples) > self.window:
-            samples.popleft()
-
-    @property
-    def seconds(self) -> float:
-        if min(len(self.plain), len(self.speculated)) < self.min_samples:
-            return 0.0
-        return max(statistics.median(self.speculated) - statistics.median(self.plain), 0.0)
-
-
-@dataclass
 class SpeculationPolicy:
     """``cost``: the target's step time by query tokens; ``draft_cost``: one draft-model
     forward by batch size (None: drafting is free, e.g. n-gram only)."""
@@ -151,14 +117,6 @@ class SpeculationPolicy:
     # Background tokens count this much in the batch's rate: when drafting stops paying for
     # everyone (a saturated batch), background requests lose their drafts first.
     background_weight: float = 0.25
-    # measured per-step overhead of speculating (None: not measured, free)
-    overhead: StepOverhead | None = None
-
-    def observe_step(self, num_tokens: int, seconds: float, speculated: bool) -> None:
-        """The engine's report of one step: ``num_tokens`` query tokens in ``seconds`` of
-        wall time; ``speculated``: it verified drafts."""
-        if self.overhead is not None and num_tokens > 0:
-            self.overhead.observe(seconds - self.cost(num_tokens), speculated)
 
     def allocate(self, alphas: Sequence[float], available: Sequence[int],
                  num_plain_tokens: int, uses_draft: Sequence[bool] | None = None,
@@ -194,13 +152,6 @@ class SpeculationPolicy:
             plan = self._add_free_drafts(plan, node_gains, available, uses_draft, w)
             if plan.rate(self.cost) > best.rate(self.cost):
                 best = plan
-        # the measured overhead of a speculated step, once per step: the plan as a whole must
-        # still beat the plain step
-        extra = self.overhead.seconds if self.overhead is not None else 0.0
-        if extra > 0.0 and any(best.ks):
-            plain = _Plan([0] * len(alphas), base, max(num_plain_tokens, 1), 0.0)
-            if best.rate(self.cost, extra) <= plain.rate(self.cost):
-                return plain.ks
         return best.ks
 
     def _add_free_drafts(self, plan: _Plan, gains: Sequence[Sequence[float]],
@@ -234,8 +185,8 @@ class _Plan:
     n: int
     draft_seconds: float
 
-    def rate(self, cost: StepCost, extra_seconds: float = 0.0) -> float:
-        return self.tokens / (cost(self.n) + self.draft_seconds + extra_seconds)
+    def rate(self, cost: StepCost) -> float:
+        return self.tokens / (cost(self.n) + self.draft_seconds)
 
     def with_token(self, i: int, gain: float) -> _Plan:
         ks = list(self.ks)

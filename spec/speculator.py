@@ -164,7 +164,7 @@ class Speculator:
             return self._head_candidate(request, k)
         found: _Candidate | None = None
         if method == "suffix" and self.suffix is not None:
-            found = self._chain(request, "suffix", self.suffix.propose(request, k).tokens)
+            found = self._suffix_tree(request)
         elif method in ("ngram", "suffix"):
             found = self._chain(request, "ngram", self._ngram(request, k))
         if method == "recycling":
@@ -178,6 +178,27 @@ class Speculator:
         return _Candidate(request, source, TokenTree.from_chain(drafts),
                           [tracker.alpha ** d for d in range(1, len(drafts) + 1)],
                           len(drafts), tracker)
+
+    def _suffix_tree(self, request: Request) -> _Candidate | None:
+        """The suffix tries' frequency-scored tree. A node at depth d scores like a chain's
+        d-th draft (``alpha^d``) times its path probability relative to the likeliest node
+        at its depth (so the likeliest path is exactly a chain's scores, and a branch the
+        context took a third as often scores a third), capped by its parent's score."""
+        assert self.suffix is not None
+        draft = self.suffix.propose_tree(request, MAX_TREE_NODES)
+        if not draft.tokens:
+            return None
+        tracker = self._tracker(request, "suffix")
+        tree = TokenTree(tuple(draft.tokens), tuple(draft.parents))
+        depths = tree.depths
+        top: dict[int, float] = {}
+        for d, p in zip(depths, draft.probs, strict=True):
+            top[d] = max(top.get(d, 0.0), p)
+        scores: list[float] = []
+        for d, p, parent in zip(depths, draft.probs, draft.parents, strict=True):
+            score = tracker.alpha ** d * (p / top[d] if top[d] > 0 else 0.0)
+            scores.append(min(score, scores[parent]) if parent >= 0 else score)
+        return _Candidate(request, "suffix", tree, scores, len(tree), tracker)
 
     def _ngram(self, request: Request, k: int) -> list[int]:
         return self.proposer.propose(_context(request, self.proposer.max_context))[:k]

@@ -30,9 +30,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from quickdraft.engine.request import Request
-from quickdraft.spec.suffix_tree import Draft, SuffixTree
+from quickdraft.spec.suffix_tree import Draft, SuffixTree, TreeDraft
 
 _EMPTY = Draft([], 0.0, 0)
+_EMPTY_TREE = TreeDraft([], [], [], 0)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,30 @@ class SuffixProposer:
         if k <= 0:
             return _EMPTY
         c = self.config
+        best = _EMPTY
+        for tree, context in self._tries(request):
+            draft = tree.speculate(context, k, c.max_spec_factor, c.min_token_prob,
+                                   c.min_match_len)
+            if draft.score > best.score:
+                best = draft
+        return best
+
+    def propose_tree(self, request: Request, max_nodes: int) -> TreeDraft:
+        """Up to ``max_nodes`` drafts as a tree (frequency-scored branches where the context
+        continued in several ways) from whichever trie expects more accepted tokens."""
+        c = self.config
+        best = _EMPTY_TREE
+        for tree, context in self._tries(request):
+            draft = tree.speculate_tree(context, max_nodes, c.max_spec_factor,
+                                        c.min_token_prob, c.min_match_len)
+            if sum(draft.probs) > sum(best.probs):
+                best = draft
+        return best
+
+    def _tries(self, request: Request) -> list[tuple[SuffixTree, list[int]]]:
+        """The tries ``request`` may draft from (its own, then its tenant's partition) and
+        its context, after appending its new tokens to its own trie."""
+        c = self.config
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _RequestTrie(SuffixTree(c.max_depth))
@@ -102,18 +127,14 @@ class SuffixProposer:
             state.tree.append(0, request.token_ids_slice(state.appended, n))
             state.appended = n
         context = request.token_ids_slice(max(n - c.max_depth, 0), n)
-        best = state.tree.speculate(context, k, c.max_spec_factor, c.min_token_prob,
-                                    c.min_match_len)
+        tries = [(state.tree, context)]
         partition = self._partitions.get(request.cache_salt)
         params = request.sampling_params
         if partition is not None and (params.greedy or params.seed is None):
             # (a seeded sampled request drafts from its own context only: the random draws
             # it consumes depend on its drafts, and its output must depend only on its seed)
-            other = partition.tree.speculate(context, k, c.max_spec_factor, c.min_token_prob,
-                                             c.min_match_len)
-            if other.score > best.score:
-                best = other
-        return best
+            tries.append((partition.tree, context))
+        return tries
 
     def finish(self, request: Request) -> None:
         """Drop the request's trie; add its output to its tenant's partition."""

@@ -291,15 +291,16 @@ static int draft_from(const Tree* t, int32_t node, int budget, float min_prob, i
     return k;
 }
 
-int qd_st_speculate(void* handle, const int32_t* ctx, int n, int max_tokens, float factor,
-                    float min_prob, int min_match, int32_t* out, float* out_score,
-                    int* out_match) {
-    const Tree* t = (const Tree*)handle;
-    if (!t || n < 0 || max_tokens < 0 || (n > 0 && !ctx) || !out || !out_score || !out_match)
-        return -1;
+/* The speculate() match: the best chain over the match lengths (see the header) into out;
+ * its length, or -1 when out of memory. *node_out / *budget_out: where it starts and its
+ * token budget (node 0 when nothing matched). */
+static int best_match(const Tree* t, const int32_t* ctx, int n, int max_tokens, float factor,
+                      float min_prob, int min_match, int32_t* out, float* out_score,
+                      int* out_match, int32_t* node_out, int* budget_out) {
     int32_t* buf = (int32_t*)malloc((size_t)(max_tokens > 0 ? max_tokens : 1) * sizeof(int32_t));
     if (!buf) return -1;
-    int best_len = 0, best_match = 0;
+    int best_len = 0, best_match = 0, best_budget = 0;
+    int32_t best_node = 0;
     float best_score = 0.0f;
     const int longest = n < t->max_depth ? n : t->max_depth;
     for (int m = min_match > 1 ? min_match : 1; m <= longest; ++m) {
@@ -314,11 +315,109 @@ int qd_st_speculate(void* handle, const int32_t* ctx, int n, int max_tokens, flo
             best_score = score;
             best_len = len;
             best_match = m;
+            best_node = node;
+            best_budget = budget;
             memcpy(out, buf, (size_t)len * sizeof(int32_t));
         }
     }
     free(buf);
     *out_score = best_score;
     *out_match = best_match;
+    *node_out = best_node;
+    *budget_out = best_budget;
     return best_len;
+}
+
+int qd_st_speculate(void* handle, const int32_t* ctx, int n, int max_tokens, float factor,
+                    float min_prob, int min_match, int32_t* out, float* out_score,
+                    int* out_match) {
+    const Tree* t = (const Tree*)handle;
+    if (!t || n < 0 || max_tokens < 0 || (n > 0 && !ctx) || !out || !out_score || !out_match)
+        return -1;
+    int32_t node;
+    int budget;
+    return best_match(t, ctx, n, max_tokens, factor, min_prob, min_match, out, out_score,
+                      out_match, &node, &budget);
+}
+
+typedef struct {
+    float q;        /* path probability */
+    int32_t parent; /* index among the drafted nodes, -1: below the match */
+    int32_t node;   /* trie node */
+} Cand;
+
+/* a before b: higher q, then the earlier parent, then the smaller token */
+static int cand_before(const Tree* t, const Cand* a, const Cand* b) {
+    if (a->q != b->q) return a->q > b->q;
+    if (a->parent != b->parent) return a->parent < b->parent;
+    return t->token[a->node] < t->token[b->node];
+}
+
+/* Candidates for the live children of trie node `node` (drafted node `parent`, path
+ * probability p) of the `limit` highest counts: only those can be drafted (a child is
+ * drafted only after its more frequent siblings). Returns the new candidate count. */
+static int push_children(const Tree* t, int32_t node, int32_t parent, float p, int limit,
+                         Cand* cands, int nc) {
+    long long total = 0;
+    for (int32_t c = t->first_child[node]; c >= 0; c = t->next_sibling[c])
+        if (t->count[c] > 0) total += t->count[c];
+    if (total == 0) return nc;
+    const int first = nc;
+    for (int32_t c = t->first_child[node]; c >= 0; c = t->next_sibling[c]) {
+        if (t->count[c] <= 0) continue;
+        const Cand cand = {p * (float)t->count[c] / (float)total, parent, c};
+        /* insertion into this node's sorted run [first, nc), at most `limit` long */
+        int at = nc;
+        while (at > first && cand_before(t, &cand, &cands[at - 1])) --at;
+        if (at - first >= limit) continue;
+        const int end = nc - first < limit ? nc : nc - 1;
+        memmove(&cands[at + 1], &cands[at], (size_t)(end - at) * sizeof(Cand));
+        cands[at] = cand;
+        if (nc - first < limit) ++nc;
+    }
+    return nc;
+}
+
+/* The frequency-scored tree below the speculate() match (see the header): tokens, parents
+ * (-1: a child of the match) and path probabilities of up to max_nodes nodes, best-first
+ * (a parent before its children). Returns the node count, or -1 on bad input / no memory. */
+int qd_st_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes, float factor,
+                         float min_prob, int min_match, int32_t* tokens, int32_t* parents,
+                         float* probs, int* out_match) {
+    const Tree* t = (const Tree*)handle;
+    if (!t || n < 0 || max_nodes < 0 || max_nodes > 256 || (n > 0 && !ctx) || !tokens
+        || !parents || !probs || !out_match)
+        return -1;
+    int32_t* chain = (int32_t*)malloc((size_t)(max_nodes > 0 ? max_nodes : 1) * sizeof(int32_t));
+    int32_t* depth = (int32_t*)malloc((size_t)(max_nodes > 0 ? max_nodes : 1) * sizeof(int32_t));
+    Cand* cands = (Cand*)malloc((size_t)(max_nodes + 1) * (size_t)(max_nodes + 1) * sizeof(Cand));
+    if (!chain || !depth || !cands) { free(chain); free(depth); free(cands); return -1; }
+    float score;
+    int32_t match_node;
+    int budget;
+    const int len = best_match(t, ctx, n, max_nodes, factor, min_prob, min_match, chain, &score,
+                               out_match, &match_node, &budget);
+    int count = 0;
+    if (len > 0) {
+        int nc = push_children(t, match_node, -1, 1.0f, max_nodes, cands, 0);
+        while (count < max_nodes && nc > 0) {
+            int best = 0;
+            for (int i = 1; i < nc; ++i)
+                if (cand_before(t, &cands[i], &cands[best])) best = i;
+            const Cand c = cands[best];
+            cands[best] = cands[--nc];
+            if (c.q < min_prob) break; /* the best left is too unlikely: so are the rest */
+            tokens[count] = t->token[c.node];
+            parents[count] = c.parent;
+            probs[count] = c.q;
+            depth[count] = c.parent < 0 ? 1 : depth[c.parent] + 1;
+            if (depth[count] < budget)
+                nc = push_children(t, c.node, count, c.q, max_nodes - count - 1, cands, nc);
+            ++count;
+        }
+    }
+    free(chain);
+    free(depth);
+    free(cands);
+    return len < 0 ? -1 : count;
 }

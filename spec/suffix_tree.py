@@ -41,7 +41,12 @@ def _lib() -> ctypes.CDLL | None:
                                     ctypes.c_float, ctypes.c_float, ctypes.c_int, _I32P,
                                     ctypes.POINTER(ctypes.c_float),
                                     ctypes.POINTER(ctypes.c_int)]
-    for fn in (lib.qd_st_append, lib.qd_st_remove, lib.qd_st_num_nodes, lib.qd_st_speculate):
+    lib.qd_st_speculate_tree.argtypes = [ctypes.c_void_p, _I32P, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_float, ctypes.c_float, ctypes.c_int, _I32P,
+                                         _I32P, ctypes.POINTER(ctypes.c_float),
+                                         ctypes.POINTER(ctypes.c_int)]
+    for fn in (lib.qd_st_append, lib.qd_st_remove, lib.qd_st_num_nodes, lib.qd_st_speculate,
+               lib.qd_st_speculate_tree):
         fn.restype = ctypes.c_int
     return lib
 
@@ -59,6 +64,18 @@ class Draft:
     tokens: list[int]
     score: float  # sum of the drafted tokens' path probabilities: expected accepted length
     match_len: int  # length of the context suffix the draft continues
+
+
+@dataclass(frozen=True)
+class TreeDraft:
+    """Drafts as a tree below the context: node ``i`` has ``tokens[i]``, parent
+    ``parents[i]`` (-1: the context's last token) and ``probs[i]``, the trie's probability of
+    its whole path; best-first (parents before children)."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: list[float]
+    match_len: int
 
 
 def _i32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -110,3 +127,26 @@ class SuffixTree:
         if n < 0:
             raise RuntimeError("qd_st_speculate failed")
         return Draft(out[:n].tolist(), float(score.value), int(match.value))
+
+    def speculate_tree(self, context: Sequence[int] | np.ndarray, max_nodes: int,
+                       max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                       min_match_len: int = 1) -> TreeDraft:
+        """:meth:`speculate`'s match, drafted as a tree: the ``max_nodes`` most probable
+        continuations best-first (depth at most its chain budget), each above
+        ``min_token_prob``."""
+        if not 0 <= max_nodes <= 256:
+            raise ValueError(f"max_nodes must be in [0, 256], got {max_nodes}")
+        ctx = _i32(context[-self.max_depth:])
+        tokens = np.empty(max(max_nodes, 1), dtype=np.int32)
+        parents = np.empty_like(tokens)
+        probs = np.empty(max(max_nodes, 1), dtype=np.float32)
+        match = ctypes.c_int()
+        n = self._lib.qd_st_speculate_tree(
+            self._handle, ctx.ctypes.data_as(_I32P), ctx.size, max_nodes, max_spec_factor,
+            min_token_prob, min_match_len, tokens.ctypes.data_as(_I32P),
+            parents.ctypes.data_as(_I32P), probs.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            ctypes.byref(match))
+        if n < 0:
+            raise RuntimeError("qd_st_speculate_tree failed")
+        return TreeDraft(tokens[:n].tolist(), parents[:n].tolist(), probs[:n].tolist(),
+                         int(match.value))

@@ -64,3 +64,38 @@ class ReferenceSuffixTree:
             if draft and s >= best[1]:
                 best = (draft, s, m)
         return best[0], float(best[1]), best[2]
+
+    def speculate_tree(self, ctx: list[int], max_nodes: int, factor: float, min_prob: float,
+                       min_match: int = 1) -> tuple[list[int], list[int], list[float], int]:
+        """Best-first below speculate()'s match: tokens, parents, path probabilities, m."""
+        chain, _, m = self.speculate(ctx, max_nodes, factor, min_prob, min_match)
+        if not chain:
+            return [], [], [], m
+        ctx = ctx[-self.max_depth:]
+        budget = min(max_nodes, int(F32(factor) * F32(m)))
+        # candidate: (q, parent index, token, trie key, depth)
+        cands: list[tuple[F32, int, int, tuple[int, ...], int]] = []
+
+        def push(key: tuple[int, ...], parent: int, p: F32, depth: int) -> None:
+            children = self._children(key)
+            total = sum(children.values())
+            for token, count in children.items():
+                q = F32(F32(p * F32(count)) / F32(total))
+                cands.append((q, parent, token, (*key, token), depth))
+
+        push(tuple(ctx[len(ctx) - m:]), -1, F32(1), 1)
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        while len(tokens) < max_nodes and cands:
+            best = min(cands, key=lambda c: (-c[0], c[1], c[2]))
+            cands.remove(best)
+            q, parent, token, key, depth = best
+            if q < F32(min_prob):
+                break
+            tokens.append(token)
+            parents.append(parent)
+            probs.append(float(q))
+            if depth < budget:
+                push(key, len(tokens) - 1, q, depth + 1)
+        return tokens, parents, probs, m

@@ -8,7 +8,6 @@ from quickdraft.spec.policy import (
     AcceptanceTracker,
     SpeculationPolicy,
     StepCost,
-    StepOverhead,
     expected_accepted,
     measure_step_cost,
 )
@@ -83,32 +82,3 @@ def test_expected_accepted_is_the_chain_sum(alpha, n):
     """``combined`` ranks drafts by this: the expected accepted drafts of an n-chain."""
     reference = sum(alpha ** i for i in range(1, n + 1))
     assert expected_accepted(alpha, n) == pytest.approx(reference, abs=1e-12)
-
-
-def test_step_overhead_is_the_difference_of_median_residuals():
-    overhead = StepOverhead(window=8, min_samples=3)
-    overhead.observe(0.001, speculated=False)
-    overhead.observe(0.004, speculated=True)
-    assert overhead.seconds == 0.0  # too few samples of each kind: nothing charged
-    for r in (0.001, 0.002, 0.050):  # an outlier does not move the median
-        overhead.observe(r, speculated=False)
-    for r in (0.004, 0.005):
-        overhead.observe(r, speculated=True)
-    assert overhead.seconds == pytest.approx(0.004 - 0.0015)
-    for _ in range(8):  # the window forgets old samples
-        overhead.observe(0.0005, speculated=True)
-    assert overhead.seconds == 0.0  # never negative
-
-
-def test_measured_overhead_refuses_drafts_that_do_not_pay_for_it():
-    """A 10 ms step, 1 ms per extra row: 3 drafts at alpha 0.3 add ~0.42 tokens for 3 ms
-    (they pay); with 3 ms more of measured overhead per speculated step they no longer do,
-    while drafts at alpha 0.9 still do."""
-    cost = StepCost((1, 1024), (0.010, 0.010 + 1023 * 0.001))
-    policy = SpeculationPolicy(cost, max_k=3, overhead=StepOverhead(min_samples=1))
-    assert policy.allocate([0.3], [3], num_plain_tokens=1) != [0]
-    policy.observe_step(1, 0.011, speculated=False)  # residual 1 ms
-    policy.observe_step(4, 0.017, speculated=True)  # cost(4) = 13 ms: residual 4 ms
-    assert policy.overhead is not None and policy.overhead.seconds == pytest.approx(0.003)
-    assert policy.allocate([0.3], [3], num_plain_tokens=1) == [0]
-    assert policy.allocate([0.9], [3], num_plain_tokens=1) == [3]

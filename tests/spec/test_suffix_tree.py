@@ -42,6 +42,12 @@ def test_matches_the_reference(seed: int, max_depth: int) -> None:
         want_tokens, want_score, want_match = ref.speculate(ctx, k, factor, min_prob, min_match)
         assert (got.tokens, got.match_len) == (want_tokens, want_match), (ctx, k, factor)
         assert got.score == pytest.approx(want_score, rel=1e-6)
+        nodes = rng.choice([0, 1, 4, 16])
+        tree_got = tree.speculate_tree(ctx, nodes, factor * 2, min_prob, min_match)
+        t, parents, probs, m = ref.speculate_tree(ctx, nodes, factor * 2, min_prob, min_match)
+        assert (tree_got.tokens, tree_got.parents, tree_got.match_len) == (t, parents, m), \
+            (ctx, nodes, factor)
+        assert tree_got.probs == probs  # the same float32 operations
 
 
 def test_drafts_the_most_frequent_continuation() -> None:
@@ -52,6 +58,22 @@ def test_drafts_the_most_frequent_continuation() -> None:
     tree.remove(0)
     assert tree.num_nodes(live=True) == 0
     assert tree.speculate([1, 2, 3], 3).tokens == []
+
+
+def test_tree_drafts_branch_where_the_context_did() -> None:
+    """After "1 2" the text went on with 3 twice and with 4 once: the tree drafts 3 (2/3)
+    and its sibling 4 (1/3), each followed by what came after it."""
+    tree = suffix_tree.SuffixTree(8)
+    tree.append(0, [1, 2, 3, 5, 1, 2, 4, 6, 1, 2, 3, 5])
+    draft = tree.speculate_tree([9, 1, 2], 8, max_spec_factor=2.0, min_token_prob=0.1)
+    assert draft.match_len == 2
+    paths = {}
+    for i, (token, parent) in enumerate(zip(draft.tokens, draft.parents, strict=True)):
+        paths[i] = (*paths[parent], token) if parent >= 0 else (token,)
+    assert set(paths.values()) >= {(3,), (3, 5), (4,), (4, 6)}
+    assert draft.probs[0] == pytest.approx(2 / 3) and draft.tokens[0] == 3
+    with pytest.raises(ValueError, match="max_nodes"):
+        tree.speculate_tree([1, 2], 300)
 
 
 def test_bad_input_is_refused() -> None:
