@@ -137,8 +137,8 @@ class Speculator:
         return max(min(k, self.max_k, room), 0)
 
     def _candidate(self, request: Request, k: int) -> _Candidate | None:
-        """The request's proposal under its method: ``suffix`` drafts the suffix trie's
-        chain; ``recycling`` a token-recycling tree; ``ngram`` a chain; ``combined`` every
+        """The request's proposal under its method: ``suffix`` drafts the suffix tries'
+        frequency-scored tree; ``recycling`` a token-recycling tree; ``ngram`` a chain; ``combined`` every
         model-free proposal merged into one tree (the draft model when none has anything);
         ``draft`` the draft model.
 
