@@ -239,7 +239,9 @@ class Scheduler:
         while interactive work runs."""
         if self._key(request)[0] <= INTERACTIVE:
             return budget  # interactive, or background aged into the interactive class
-        return min(budget, self._background_budget)
+        # (the share can go below 0: drafts granted to several background requests in one
+        # step may together exceed it; nothing more runs then, and never a negative chunk)
+        return max(min(budget, self._background_budget), 0)
 
     def _spend(self, request: Request, num_tokens: int) -> None:
         if self._key(request)[0] > INTERACTIVE:

@@ -138,9 +138,9 @@ class Speculator:
 
     def _candidate(self, request: Request, k: int) -> _Candidate | None:
         """The request's proposal under its method: ``suffix`` drafts the suffix tries'
-        frequency-scored tree; ``recycling`` a token-recycling tree; ``ngram`` a chain; ``combined`` every
-        model-free proposal merged into one tree (the draft model when none has anything);
-        ``draft`` the draft model.
+        frequency-scored tree; ``recycling`` a token-recycling tree; ``ngram`` a chain;
+        ``combined`` every model-free proposal merged into one tree (the draft model when
+        none has anything); ``draft`` the draft model.
 
         (``suffix`` used to fall back to a recycling tree when nothing matched. On SmolLM2
         on a 2-core CPU that lost: keeping the tables costs ~0.4 ms a step, every step, and

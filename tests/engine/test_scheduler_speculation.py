@@ -174,3 +174,24 @@ def test_preempt_and_finish_reach_the_hooks_and_blocks_return():
     assert ("finish", "old") in spec.events and ("finish", "new") in spec.events
     assert any(e == "preempt" for e, _ in spec.events)
     assert kv.num_free_blocks == baseline
+
+
+def test_background_drafts_over_the_share_never_admit_a_negative_chunk():
+    """Regression: the drafts granted to several background requests in one step could
+    together exceed the background share, and a waiting background request was then admitted
+    with a negative chunk (a table of its cached prefix only, a step that failed). Now nothing
+    more runs in that step, and every scheduled request's table covers its tokens."""
+    spec = FakeSpeculation(k=6)
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    s = Scheduler(kv, 4, 64, 1000, priority_aging_s=None,
+                  max_background_tokens_per_step=12, speculation=spec)
+    for rid in ("a", "b"):
+        s.add_request(make(rid, 5, priority=BACKGROUND))
+    step(s)
+    step(s)  # both decode now; each gets drafts within the share left when it was chosen
+    s.add_request(make("c", 9, priority=BACKGROUND))
+    for _ in range(4):
+        out = step(s)
+        for r in out.requests:
+            assert r.num_tokens > 0
+            assert len(r.block_table) * 4 >= r.start_pos + r.num_tokens, r.request_id
