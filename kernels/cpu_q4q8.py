@@ -63,33 +63,24 @@ class Q8Q8Weight:
     in_features: int
 
 
-@functools.lru_cache(maxsize=1)
-def _library() -> Any | None:
-    return cbuild.load("cpu_q4q8", _SOURCE, _CFLAGS, _CPU_FLAGS)
+@dataclass(frozen=True)
+class _Kernels:
+    q4: Any  # ctypes qd_q4q8_linear
+    q8: Any  # ctypes qd_q8q8_linear
+    vnni: int  # whether to run the VNNI loops
 
 
 @functools.lru_cache(maxsize=1)
-def _kernel() -> tuple[Any, int] | None:
-    """The ctypes function ``qd_q4q8_linear`` and whether to use its VNNI loop."""
-    lib = _library()
+def _kernel() -> _Kernels | None:
+    """The library's two entry points and whether to use their VNNI loops."""
+    lib = cbuild.load("cpu_q4q8", _SOURCE, _CFLAGS, _CPU_FLAGS)
     if lib is None:
         return None
-    fn = lib.qd_q4q8_linear
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5 + [ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn, int(cbuild.cpu_has(_VNNI_FLAGS))
-
-
-@functools.lru_cache(maxsize=1)
-def _kernel8() -> Any | None:
-    """The ctypes function ``qd_q8q8_linear`` (Q8_0 weights)."""
-    lib = _library()
-    if lib is None:
-        return None
-    fn = lib.qd_q8q8_linear
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5 + [ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+    # (x, codes, d, [m,] y) pointers, then rows, n, k, threads, vnni, then scratch
+    for fn, pointers in ((lib.qd_q4q8_linear, 5), (lib.qd_q8q8_linear, 4)):
+        fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int] * 5 + [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    return _Kernels(lib.qd_q4q8_linear, lib.qd_q8q8_linear, int(cbuild.cpu_has(_VNNI_FLAGS)))
 
 
 def available() -> bool:
@@ -103,7 +94,7 @@ def available() -> bool:
 def uses_vnni() -> bool:
     """Whether the kernel's inner loop is AVX512-VNNI here (else AVX2; same results)."""
     kernel = _kernel()
-    return bool(kernel and kernel[1])
+    return bool(kernel and kernel.vnni)
 
 
 def native_entry_point() -> tuple[int, int] | None:
@@ -111,7 +102,7 @@ def native_entry_point() -> tuple[int, int] | None:
     kernel = _kernel()
     if kernel is None:
         return None
-    return ctypes.cast(kernel[0], ctypes.c_void_p).value or 0, kernel[1]
+    return ctypes.cast(kernel.q4, ctypes.c_void_p).value or 0, kernel.vnni
 
 
 def supports(out_features: int, in_features: int) -> bool:
@@ -172,10 +163,9 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight, *,
     if kernel is None:
         raise RuntimeError("the q4q8 kernel is not available: "
                            f"{cbuild.status().get('cpu_q4q8', 'not loaded')}")
-    fn, has_vnni = kernel
-    if vnni and not has_vnni:
+    if vnni and not kernel.vnni:
         raise RuntimeError("this CPU has no AVX512-VNNI")
-    use_vnni = has_vnni if vnni is None else int(vnni)
+    use_vnni = kernel.vnni if vnni is None else int(vnni)
     xb = (x if x.dtype is _BF16 else x.to(_BF16)).contiguous()
     rows = xb.numel() // weight.in_features
     if xb.shape[-1] != weight.in_features:
@@ -187,13 +177,11 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight, *,
     scratch = torch.empty(scratch_bytes(rows, weight.in_features), dtype=torch.uint8)
     shape = (rows, weight.out_features, weight.in_features, torch.get_num_threads(), use_vnni)
     if isinstance(weight, Q8Q8Weight):
-        fn8 = _kernel8()
-        assert fn8 is not None  # the same library as fn
-        rc = fn8(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(), y.data_ptr(),
-                 *shape, scratch.data_ptr())
+        rc = kernel.q8(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
+                       y.data_ptr(), *shape, scratch.data_ptr())
     else:
-        rc = fn(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
-                weight.m.data_ptr(), y.data_ptr(), *shape, scratch.data_ptr())
+        rc = kernel.q4(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
+                       weight.m.data_ptr(), y.data_ptr(), *shape, scratch.data_ptr())
     if rc != 0:
         raise ValueError(f"q4q8 kernel rejected shapes rows={rows} out="
                          f"{weight.out_features} in={weight.in_features}")

@@ -3,6 +3,9 @@ llama.cpp's Q8 scheme does: the references of the 4-bit and 8-bit CPU kernels' t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -36,3 +39,22 @@ def q8_rounded(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xf * inv).clamp(-127, 127)
     return (xq.double() * (amax / 127.0).double()).view(rows, k)
+
+
+def assert_rows_threads_and_isa_agree(linear: Callable[..., torch.Tensor], weight: Any,
+                                      x: torch.Tensor, uses_vnni: bool) -> None:
+    """Each row of ``linear(x, weight)`` is computed alone: its bits do not depend on the
+    other rows (1..len(x) of them, crossing the 8-row passes), the thread count, or the
+    VNNI loop against the AVX2 one (``vnni=False``: the other CPU kind's)."""
+    alone = torch.cat([linear(x[i:i + 1], weight) for i in range(len(x))])
+    for rows in (2, 8, 9, len(x)):
+        assert torch.equal(linear(x[:rows], weight), alone[:rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x, weight), alone)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(linear(x, weight, vnni=False), alone)
+    if uses_vnni:
+        assert torch.equal(linear(x, weight, vnni=True), alone)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quickdraft.kernels import cpu_q4q8
-from tests.kernels.four_bit_oracle import dense
+from tests.kernels.four_bit_oracle import assert_rows_threads_and_isa_agree, dense
 from tests.kernels.four_bit_oracle import q8_rounded as _q8_reference
 from tests.kernels.four_bit_oracle import random_q4_weights as _weights
 
@@ -43,20 +43,9 @@ def test_rows_threads_and_instruction_sets_give_the_same_bits():
     """Each row is computed alone: a row's bits do not depend on the other rows (1..17 of
     them, crossing the 8-row passes), the thread count or VNNI against AVX2."""
     q, d, m = _weights(576, 1536, seed=5)
-    w = cpu_q4q8.pack(q, d, m)
     x = torch.randn(17, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
-    alone = torch.cat([cpu_q4q8.linear(x[i:i + 1], w) for i in range(17)])
-    for rows in (2, 8, 9, 17):
-        assert torch.equal(cpu_q4q8.linear(x[:rows], w), alone[:rows])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(cpu_q4q8.linear(x, w), alone)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(cpu_q4q8.linear(x, w, vnni=False), alone)
-    if cpu_q4q8.uses_vnni():
-        assert torch.equal(cpu_q4q8.linear(x, w, vnni=True), alone)
+    assert_rows_threads_and_isa_agree(cpu_q4q8.linear, cpu_q4q8.pack(q, d, m), x,
+                                      cpu_q4q8.uses_vnni())
 
 
 def test_zero_and_extreme_activations():

@@ -8,7 +8,7 @@ import torch
 
 from quickdraft.engine.gguf_quant import Q8Weight
 from quickdraft.kernels import cpu_q4q8
-from tests.kernels.four_bit_oracle import q8_rounded
+from tests.kernels.four_bit_oracle import assert_rows_threads_and_isa_agree, q8_rounded
 
 pytestmark = pytest.mark.skipif(not cpu_q4q8.available(), reason="q4q8 kernel not built here")
 
@@ -43,18 +43,9 @@ def test_linear_matches_the_q8_reference(out, k, rows):
 
 def test_rows_threads_and_instruction_sets_give_the_same_bits():
     w = _weights(256, 576, seed=3)
-    packed = cpu_q4q8.pack_q8(w.q, w.d)
     x = torch.randn(17, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
-    alone = torch.cat([cpu_q4q8.linear(x[i:i + 1], packed) for i in range(17)])
-    for rows in (2, 8, 9, 17):
-        assert torch.equal(cpu_q4q8.linear(x[:rows], packed), alone[:rows])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(cpu_q4q8.linear(x, packed), alone)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(cpu_q4q8.linear(x, packed, vnni=False), alone)
+    assert_rows_threads_and_isa_agree(cpu_q4q8.linear, cpu_q4q8.pack_q8(w.q, w.d), x,
+                                      cpu_q4q8.uses_vnni())
 
 
 def test_extreme_codes_do_not_saturate():
