@@ -29,6 +29,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,8 +95,8 @@ def _unpack_q8_0(blocks: np.ndarray, out: int, k: int) -> Q8Weight:
     """Raw ``[out, bytes per row]`` uint8 rows of Q8_0 blocks (34 bytes per 32 weights)."""
     b = np.ascontiguousarray(blocks).reshape(out, k // GROUP, 34)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = b[..., 2:].copy().view(np.int8).reshape(out, k)
-    return Q8Weight(torch.from_numpy(q.copy()), torch.from_numpy(d.copy()))
+    q = b[..., 2:].copy().view(np.int8).reshape(out, k)  # (a fresh array: no second copy)
+    return Q8Weight(torch.from_numpy(q), torch.from_numpy(d))
 
 
 def _unpack(blocks: np.ndarray, out: int, k: int, has_min: bool) -> Q4Weight:
@@ -140,17 +141,20 @@ def _unpermute_rows(out: int, heads: int) -> torch.Tensor:
 
 
 def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
-                    num_kv_heads: int) -> dict[str, Q4Weight]:
+                    num_kv_heads: int, tied: bool | None = None,
+                    ) -> dict[str, Q4Weight | Q8Weight]:
     """Every layer matrix of the file stored as Q4_1, Q4_0 or Q4_K, keyed by its HF name
     (``model.layers.N.self_attn.q_proj.weight``); ``llama_permute``: the architecture whose
-    q/k rows transformers permutes back (llama/mistral, not qwen2)."""
+    q/k rows transformers permutes back (llama/mistral, not qwen2). With ``tied`` given
+    (whether the model reuses its embedding as the head), also the Q8_0 LM head under
+    :data:`LM_HEAD` when there is one (:func:`read_q8_head`), from the same parse."""
     from gguf import GGMLQuantizationType, GGUFReader  # optional at import time
 
     kinds = {GGMLQuantizationType.Q4_1: True, GGMLQuantizationType.Q4_0: False,
              GGMLQuantizationType.Q4_K: None}
-    reader = GGUFReader(str(gguf_path))
-    weights: dict[str, Q4Weight] = {}
-    for tensor in reader.tensors:
+    tensors = GGUFReader(str(gguf_path)).tensors
+    weights: dict[str, Q4Weight | Q8Weight] = {}
+    for tensor in tensors:
         match = _BLOCK.fullmatch(tensor.name)
         if match is None or tensor.tensor_type not in kinds:
             continue
@@ -166,16 +170,24 @@ def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
         if llama_permute and kind in ("attn_q", "attn_k"):
             w = w.rows(_unpermute_rows(out, num_heads if kind == "attn_q" else num_kv_heads))
         weights[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = w
+    if tied is not None and (head := _q8_head(tensors, tied)) is not None:
+        weights[LM_HEAD] = head
     return weights
 
 
 def read_q8_head(gguf_path: Path, tied: bool) -> Q8Weight | None:
     """The LM head when the file stores it as Q8_0: ``output.weight``, else (``tied``: the
     model reuses its embedding) ``token_embd.weight``; None otherwise."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGUFReader
 
-    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
-    tensor = tensors.get("output.weight") or (tensors.get("token_embd.weight") if tied
+    return _q8_head(GGUFReader(str(gguf_path)).tensors, tied)
+
+
+def _q8_head(tensors: Any, tied: bool) -> Q8Weight | None:
+    from gguf import GGMLQuantizationType
+
+    by_name = {t.name: t for t in tensors}
+    tensor = by_name.get("output.weight") or (by_name.get("token_embd.weight") if tied
                                               else None)
     if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q8_0:
         return None

@@ -142,13 +142,11 @@ def _q4_weights(source: Path, model_dir: Path, hf_config: Any) -> dict[str, Any]
         except Exception as exc:  # a damaged cache file: read the GGUF again
             log.warning("ignoring %s (%s)", cached, exc)
     model_type = getattr(hf_config, "model_type", "llama")
-    q4: dict[str, Any] = gguf_quant.read_q4_weights(
+    # (the Q8_0 head, when there is one, runs with int4-q8; the int4 path keeps it dense)
+    q4 = gguf_quant.read_q4_weights(
         source, llama_permute=model_type in ("llama", "mistral"),
-        num_heads=hf_config.num_attention_heads, num_kv_heads=hf_config.num_key_value_heads)
-    head = gguf_quant.read_q8_head(source, bool(getattr(hf_config, "tie_word_embeddings",
-                                                        False)))
-    if head is not None:  # (int4-q8 runs it; the int4 path keeps the dense head)
-        q4[gguf_quant.LM_HEAD] = head
+        num_heads=hf_config.num_attention_heads, num_kv_heads=hf_config.num_key_value_heads,
+        tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
     try:
         gguf_quant.save_q4_weights(cached, q4)
     except OSError as exc:  # a read-only cache still works, only slower to start

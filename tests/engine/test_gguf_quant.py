@@ -90,8 +90,13 @@ def test_q8_0_unpack_equals_gguf_dequantize():
 def test_default_model_q8_head_equals_the_converted_embedding(default_model_dir):
     """SmolLM2's tied embedding is Q8_0: read as the LM head, it dequantizes bit for bit to
     the fp32 embedding transformers made."""
-    head = gguf_quant.read_q8_head(loader.default_gguf_path(), tied=True)
-    assert head is not None
+    config = loader.load_config(default_model_dir)
+    weights = gguf_quant.read_q4_weights(  # the engine reads head and layers in one parse
+        loader.default_gguf_path(), llama_permute=True, num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads, tied=True)
+    head = weights[gguf_quant.LM_HEAD]
+    assert isinstance(head, gguf_quant.Q8Weight)
+    assert len(weights) == 7 * config.num_hidden_layers + 1
     dense = dict(loader.iter_safetensors(default_model_dir))
     assert torch.equal(head.dequantize(), dense["model.embed_tokens.weight"])
     assert gguf_quant.read_q8_head(loader.default_gguf_path(), tied=False) is None
