@@ -143,9 +143,9 @@ class Speculator:
         none has anything); ``draft`` the draft model.
 
         (``suffix`` used to fall back to a recycling tree when nothing matched. On SmolLM2
-        on a 2-core CPU that lost: keeping the tables costs ~0.4 ms a step, every step, and
-        the fallback trees were rarely accepted; measured without it, suffix went from
-        0.97x to 1.08x on summaries and from 1.53x to 1.76x on code edits. See
+        on a 2-core AVX512-BF16 EPYC that lost: keeping the tables costs ~0.4 ms on every
+        step and the fallback trees were rarely accepted; measured without it, suffix went
+        from 0.97x to 1.08x on summaries and from 1.53x to 1.76x on code edits. See
         docs/benchmarks.md.)"""
         method = self.method_of(request)
         if method == "combined":
