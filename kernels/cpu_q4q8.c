@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QD_MAX_ROWS 8        /* rows of x per pass over the weights */
+#define QD_MAX_ROWS 16       /* rows of x per pass over the weights */
 #define QD_GROUPS_PER_TASK 4  /* groups of 8 output columns a thread takes at a time */
 #define QD_SERIAL_BYTES (48 * 1024)
 
@@ -190,7 +190,15 @@ QD_TILE(tile_vnni, QD_VNNI, dot8_vnni)
             case 5: TILE(5, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
             case 6: TILE(6, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
             case 7: TILE(7, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
-            default: TILE(8, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;              \
+            case 8: TILE(8, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 9: TILE(9, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 10: TILE(10, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 11: TILE(11, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 12: TILE(12, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 13: TILE(13, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 14: TILE(14, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            case 15: TILE(15, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;               \
+            default: TILE(16, codes, d, mn, xq, sx, sumx, y, cg, n, k); break;              \
             }                                                                              \
         }                                                                                  \
     }
@@ -270,7 +278,15 @@ QD_TILE8(tile8_vnni, QD_VNNI, dot8s_vnni)
             case 5: TILE(5, codes, d, xq, sx, y, cg, n, k); break;                         \
             case 6: TILE(6, codes, d, xq, sx, y, cg, n, k); break;                         \
             case 7: TILE(7, codes, d, xq, sx, y, cg, n, k); break;                         \
-            default: TILE(8, codes, d, xq, sx, y, cg, n, k); break;                        \
+            case 8: TILE(8, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 9: TILE(9, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 10: TILE(10, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 11: TILE(11, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 12: TILE(12, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 13: TILE(13, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 14: TILE(14, codes, d, xq, sx, y, cg, n, k); break;                         \
+            case 15: TILE(15, codes, d, xq, sx, y, cg, n, k); break;                         \
+            default: TILE(16, codes, d, xq, sx, y, cg, n, k); break;                        \
             }                                                                              \
         }                                                                                  \
     }

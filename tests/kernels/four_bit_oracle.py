@@ -44,10 +44,10 @@ def q8_rounded(x: torch.Tensor) -> torch.Tensor:
 def assert_rows_threads_and_isa_agree(linear: Callable[..., torch.Tensor], weight: Any,
                                       x: torch.Tensor, uses_vnni: bool) -> None:
     """Each row of ``linear(x, weight)`` is computed alone: its bits do not depend on the
-    other rows (1..len(x) of them, crossing the 8-row passes), the thread count, or the
+    other rows (1..len(x) of them, crossing the 16-row passes), the thread count, or the
     VNNI loop against the AVX2 one (``vnni=False``: the other CPU kind's)."""
     alone = torch.cat([linear(x[i:i + 1], weight) for i in range(len(x))])
-    for rows in (2, 8, 9, len(x)):
+    for rows in sorted({2, 8, 9, 16, min(17, len(x)), len(x)}):
         assert torch.equal(linear(x[:rows], weight), alone[:rows])
     threads = torch.get_num_threads()
     try:
