@@ -87,11 +87,18 @@ def measure_step_cost(run: Callable[[int], float], sizes: Sequence[int] = (1, 2,
 
 @dataclass
 class AcceptanceTracker:
-    """Per-request acceptance estimate (exponential moving average over verified drafts)."""
+    """Per-request acceptance estimate (exponential moving average over verified drafts).
+    ``pooled``: an estimate over many requests' drafts of the same kind, updated alongside
+    (a new request's tracker starts from it: see :meth:`from_pool`)."""
 
     alpha: float = 0.6  # optimistic prior: the first drafts are worth trying
     decay: float = 0.7
     steps_since_probe: int = 0
+    pooled: AcceptanceTracker | None = None
+
+    @classmethod
+    def from_pool(cls, pooled: AcceptanceTracker) -> AcceptanceTracker:
+        return cls(alpha=pooled.alpha, pooled=pooled)
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
@@ -101,6 +108,8 @@ class AcceptanceTracker:
         tested = min(num_accepted + 1, num_drafted)
         rate = num_accepted / tested
         self.alpha = self.decay * self.alpha + (1 - self.decay) * rate
+        if self.pooled is not None:
+            self.pooled.update(num_drafted, num_accepted)
 
 
 @dataclass

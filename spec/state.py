@@ -49,11 +49,15 @@ class RequestSpecState:
     head_features: torch.Tensor | None = None
     head_features_start: int = 0
 
-    def tracker(self, source: str) -> AcceptanceTracker:
-        """The request's acceptance estimate for drafts from ``source``."""
+    def tracker(self, source: str, pooled: AcceptanceTracker | None = None
+                ) -> AcceptanceTracker:
+        """The request's acceptance estimate for drafts from ``source`` (a source, or a kind
+        of its drafts such as ``suffix/8+``); a new one starts from ``pooled`` (the estimate
+        over earlier requests) where given."""
         if source not in self.trackers:  # recycling starts at its measured mean, not 0.6
             prior = RECYCLING_PRIOR if source == "recycling" else AcceptanceTracker.alpha
-            self.trackers[source] = AcceptanceTracker(alpha=prior)
+            self.trackers[source] = AcceptanceTracker.from_pool(pooled) if pooled \
+                else AcceptanceTracker(alpha=prior)
         return self.trackers[source]
 
     def drop_in_flight(self) -> None:

@@ -82,3 +82,15 @@ def test_expected_accepted_is_the_chain_sum(alpha, n):
     """``combined`` ranks drafts by this: the expected accepted drafts of an n-chain."""
     reference = sum(alpha ** i for i in range(1, n + 1))
     assert expected_accepted(alpha, n) == pytest.approx(reference, abs=1e-12)
+
+
+def test_a_pooled_estimate_follows_every_request_and_seeds_new_ones():
+    pool = AcceptanceTracker(alpha=0.6, decay=0.5)
+    first = AcceptanceTracker.from_pool(pool)
+    assert first.alpha == 0.6 and first.pooled is pool
+    first.update(num_drafted=4, num_accepted=4)  # the request's own estimate and the pool's
+    assert pool.alpha == pytest.approx(0.8) and first.alpha == pytest.approx(0.6 * 0.7 + 0.3)
+    second = AcceptanceTracker.from_pool(pool)  # a later request starts where the pool is
+    assert second.alpha == pytest.approx(0.8)
+    second.update(num_drafted=2, num_accepted=0)
+    assert pool.alpha == pytest.approx(0.4) and first.alpha == pytest.approx(0.72)
