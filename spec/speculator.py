@@ -207,8 +207,10 @@ class Speculator:
         # acceptance is tracked per match length: a draft continuing a long matched suffix
         # is accepted far more often than one after a 2-token match (see _match_kind)
         kind = _match_kind(draft.match_len)
-        pooled = self._suffix_pools.setdefault(kind, AcceptanceTracker(decay=POOLED_DECAY))
-        tracker = request.spec_state.tracker(kind, pooled)
+        pooled = self._suffix_pools.get(kind)
+        if pooled is None:
+            pooled = self._suffix_pools[kind] = AcceptanceTracker(decay=POOLED_DECAY)
+        tracker = self._tracker(request, kind, pooled)
         tree = TokenTree(tuple(draft.tokens), tuple(draft.parents))
         depths = tree.depths
         top: dict[int, float] = {}
@@ -274,8 +276,9 @@ class Speculator:
         return _Candidate(request, best.source, tree, scores, len(tree), best.tracker)
 
     @staticmethod
-    def _tracker(request: Request, source: str) -> AcceptanceTracker:
-        return request.spec_state.tracker(source)
+    def _tracker(request: Request, source: str,
+                 pooled: AcceptanceTracker | None = None) -> AcceptanceTracker:
+        return request.spec_state.tracker(source, pooled)
 
     def recycler(self, requests: list[Request]
                  ) -> Callable[[torch.Tensor, StepPlan], None] | None:
