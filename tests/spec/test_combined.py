@@ -1,71 +1,73 @@
-"""``combined`` speculation: every model-free proposal (n-gram chain, suffix chain,
-token-recycling tree) is merged into one token tree — a continuation proposed by several
-sources is one path, scored by the best of them — and the step's acceptance is credited to
-the source with the most expected accepted tokens."""
+"""``combined`` speculation: per request and step, the proposal expected to accept the most
+drafts, the suffix tries' tree (free to draft) or the draft head's / draft model's chain at
+its acceptance; a source's first tracker in a request starts from the pooled estimate over
+earlier requests."""
 
 from __future__ import annotations
 
+import pytest
+
 from quickdraft.engine.request import Request
 from quickdraft.engine.sampling_params import SamplingParams
-from quickdraft.spec.policy import SpeculationPolicy
+from quickdraft.spec import suffix_tree
+from quickdraft.spec.policy import SpeculationPolicy, expected_accepted
 from quickdraft.spec.speculator import Speculator
 
-# a repeated phrase: the n-gram and suffix proposers both find the continuation
+# a repeated phrase: the suffix trie finds the continuation
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 1, 2, 5, 6, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7]
 
 
-def make() -> tuple[Speculator, Request]:
+def make(prompt: list[int] = PROMPT, rid: str = "r") -> tuple[Speculator, Request]:
     spec = Speculator("combined", max_k=4, ngram_min=2, ngram_max=4, policy=SpeculationPolicy())
-    request = Request("r", list(PROMPT), SamplingParams(max_tokens=64), frozenset())
+    spec.draft_model = object()  # type: ignore[assignment]  # (only its presence matters here)
+    return spec, _request(prompt, rid)
+
+
+def _request(prompt: list[int], rid: str) -> Request:
+    request = Request(rid, list(prompt), SamplingParams(max_tokens=64), frozenset())
     request.num_computed_tokens = request.num_tokens - 1
-    return spec, request
+    return request
 
 
-def test_shared_continuations_merge_into_one_path_and_the_best_source_is_credited():
+@pytest.mark.skipif(not suffix_tree.available(), reason="needs gcc")
+def test_the_suffix_tree_unless_the_model_chain_expects_more():
     spec, request = make()
-    ngram = spec._chain(request, "ngram", spec._ngram(request, 4))
-    assert spec.suffix is not None  # (the suffix trie builds with gcc)
-    suffix = spec._chain(request, "suffix", spec.suffix.propose(request, 4).tokens)
-    assert ngram is not None and suffix is not None and ngram.tree is not None
-    for favoured in ("ngram", "suffix"):
-        for source in ("ngram", "suffix"):
-            spec._tracker(request, source).alpha = 0.9 if source == favoured else 0.2
-        merged = spec._combined(request, 4)
-        assert merged is not None and merged.tree is not None
-        # both found 8 9 10 11 after "... 6 7": one chain, not two
-        assert merged.tree.is_chain and merged.tree.token_ids == ngram.tree.token_ids
-        assert merged.scores == [0.9 ** d for d in range(1, len(merged.scores) + 1)]
-        assert merged.source == favoured
-        assert merged.tracker is spec._tracker(request, favoured)
+    tree = spec._candidate(request, 4)  # the pooled priors are alike: the free tree wins
+    assert tree is not None and tree.source == "suffix" and tree.tree is not None
+    assert tree.tree.token_ids[:4] == (8, 9, 10, 11)
+    model = spec._tracker(request, "draft")
+    for alpha, want in ((0.99, "draft"), (0.2, "suffix")):
+        model.alpha = alpha
+        picked = spec._candidate(request, 4)
+        assert picked is not None and picked.source == want
+        if want == "draft":
+            assert picked.tree is None and picked.available == 4
+            assert expected_accepted(alpha, 4) > sum(sorted(tree.scores)[-4:])
 
 
-def test_different_continuations_branch():
-    spec, request = make()
-    spec.suffix = None
-    recycling_tree = ([1, 3], [-1, -1], [0, 1])  # two root children: 1 (top-1) and 3
+def test_the_model_chain_when_the_tries_match_nothing():
+    spec, request = make([1, 2, 3, 4, 5, 6, 7])
+    picked = spec._candidate(request, 4)
+    assert picked is not None and picked.source == "draft" and picked.tree is None
 
-    class Table:
-        @staticmethod
-        def propose_tree(req: Request, max_nodes: int) -> tuple[list[int], list[int], list[int]]:
-            return recycling_tree
 
-    spec.recycling = Table()  # type: ignore[assignment]
-    merged = spec._combined(request, 4)
-    assert merged is not None and merged.tree is not None
-    tree = merged.tree
-    root_children = [tree.token_ids[c] for c in tree.children(-1)]
-    assert sorted(root_children) == [1, 3, 8]  # n-gram's 8 ..., recycling's 1 and 3
-    assert all(s <= 1.0 for s in merged.scores)
-    for node, parent in enumerate(tree.parents):  # never more likely than its parent
-        if parent >= 0:
-            assert merged.scores[node] <= merged.scores[parent]
+def test_a_new_request_starts_from_the_pooled_acceptance():
+    spec, first = make([1, 2, 3, 4, 5, 6, 7])
+    spec.plan([first], [4], num_plain_tokens=1, budget=64)
+    assert first.spec_state.model_k > 0  # the draft model owes drafts
+    before = spec._pool("draft").alpha
+    first.spec_state.model_k = 0
+    spec.record(first, 4, 0)  # all rejected
+    assert spec._tracker(first, "draft").alpha < before
+    assert spec._pool("draft").alpha < before  # the pool moved with it (more slowly)
+    second = _request([1, 2, 3, 4, 5, 6, 7], "s")
+    assert spec._tracker(second, "draft").alpha == spec._pool("draft").alpha
+    assert spec._tracker(second, "draft") is not spec._tracker(first, "draft")
 
 
 def test_nothing_to_draft_and_no_draft_model_gives_no_candidate():
     spec = Speculator("combined", max_k=4, ngram_min=2, ngram_max=4, policy=SpeculationPolicy())
-    request = Request("r", [1, 2, 3], SamplingParams(max_tokens=64), frozenset())
-    request.num_computed_tokens = 2
-    assert spec._candidate(request, 4) is None
+    assert spec._candidate(_request([1, 2, 3], "r"), 4) is None
 
 
 def test_a_tree_never_outgrows_the_room_the_scheduler_leaves():
@@ -91,3 +93,18 @@ def test_a_tree_never_outgrows_the_room_the_scheduler_leaves():
         spec.plan([request], [room], num_plain_tokens=1, budget=64)
         assert len(request.spec_token_ids) == want
         spec.cancel(request)
+
+
+def test_a_seeded_sampled_request_starts_from_the_fixed_prior():
+    """Its output must depend on its seed and prompt alone, not on earlier requests."""
+    from quickdraft.spec.policy import AcceptanceTracker
+
+    spec, greedy = make([1, 2, 3, 4, 5, 6, 7])
+    spec._pool("draft").alpha = 0.1
+    seeded = Request("s", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.8, seed=1),
+                     frozenset())
+    unseeded = Request("u", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.8),
+                       frozenset())
+    assert spec._tracker(greedy, "draft").alpha == 0.1
+    assert spec._tracker(unseeded, "draft").alpha == 0.1
+    assert spec._tracker(seeded, "draft").alpha == AcceptanceTracker.alpha

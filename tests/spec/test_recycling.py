@@ -1,6 +1,6 @@
 """Token recycling: the adjacency table's update and chain drafting against a plain-Python
 oracle; rows reach their own tenant's table only; inside the engine, greedy output with
-recycling drafts (alone, and merged into ``combined``'s trees) equals output without
+recycling drafts equals output without
 speculation, in a staggered batch with preemptions and the prefix cache on, and no KV block
 leaks."""
 
@@ -15,7 +15,6 @@ from quickdraft.engine.llm_engine import LLMEngine
 from quickdraft.engine.request import Request
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.engine.step_plan import StepPlan
-from quickdraft.spec import suffix_tree
 from quickdraft.spec.recycling import (
     UNSEEN,
     RecyclingConfig,
@@ -182,19 +181,16 @@ def test_greedy_batch1_equal_with_recycling(plain, tiny_model_dir):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("method", ["recycling", "combined"])
-def test_greedy_staggered_batch_with_preemption_equal(plain, tiny_model_dir, method):
-    if method == "combined" and not suffix_tree.available():
-        pytest.skip("needs gcc")  # (combined merges the suffix trie's drafts too)
+def test_greedy_staggered_batch_with_preemption_equal(plain, tiny_model_dir):
     want, _ = run_staggered(plain, PROMPTS, GREEDY)
-    spec = make_engine(tiny_model_dir, method, num_kv_blocks=48)  # too small for all 8
+    spec = make_engine(tiny_model_dir, "recycling", num_kv_blocks=48)  # too small for all 8
     recycled = _count_recycled(spec)
     free = spec.kv.num_free_blocks
     got, usage = run_staggered(spec, PROMPTS, GREEDY)
     assert got == want
     assert spec.scheduler.num_preemptions > 0
     assert spec.kv.num_free_blocks == free
-    assert recycled[0] > 0  # combined: recycling trees were among the merged proposals
+    assert recycled[0] > 0
     drafted = sum(u.num_drafted_tokens for u in usage.values())
     accepted = sum(u.num_accepted_tokens for u in usage.values())
     assert 0 < accepted <= drafted
