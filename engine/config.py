@@ -52,11 +52,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = 256  # largest captured step, in tokens (bucketed below it)
     # off | ngram | suffix | recycling | draft | head | combined | auto (draft needs
-    # draft_model, head a draft head; combined merges every model-free proposal into one
-    # tree and takes the draft head's tree instead where it expects more accepted tokens,
-    # and asks the draft model, when there is one, only where none found anything). auto
+    # draft_model, head a draft head; combined takes per request and step the suffix tree or
+    # the draft head's / draft model's chain, whichever expects more accepted tokens). auto
     # (the default): combined with a draft head or draft model, else suffix (n-gram where
-    # its trie cannot be built; a token-recycling tree where neither matches). The adaptive
+    # its trie cannot be built). The adaptive
     # policy turns drafts down wherever they would not pay for themselves.
     speculation: str = "auto"
     # An EAGLE-3-style draft head (spec/draft_head.py): "auto" = the head shipped for this

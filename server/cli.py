@@ -100,9 +100,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "default: none, model-free speculation)")
     g.add_argument("--speculation", default=None, choices=list(SPECULATION_METHODS),
                    help="speculative decoding method; the output is identical either way. "
-                   "suffix: suffix tries over the request and its tenant's earlier answers, "
-                   "else a token-recycling tree; combined: every model-free proposal merged "
-                   "into one tree, or the draft head's tree where it expects more; auto (default): "
+                   "suffix: suffix tries over the request and its tenant's earlier answers; "
+                   "combined: per request and step the suffix tree or the draft head's "
+                   "(draft model's) chain, whichever expects more; auto (default): "
                    "combined with a draft head or draft model, else suffix")
     g.add_argument("--draft-head", default="auto",
                    help="EAGLE-3-style draft head directory (`quickdraft draft-head train`); "

@@ -405,7 +405,7 @@ class Speculator:
         for request in requests:
             state = request.spec_state
             n = request.num_tokens  # the last token is pending: features end at n - 2
-            feats, fstart = state.head_features, state.head_features_start
+            feats, fstart = state.head_features(), state.head_features_start
             start = min(max(state.head_valid, fstart), n - 2)
             if feats is None or not fstart <= start or fstart + len(feats) < n - 1:
                 request.spec_state.model_k = 0  # (a gap in the features: draft nothing)
@@ -429,8 +429,7 @@ class Speculator:
             state.in_flight_depth = out.tree.max_depth if len(out.tree) else 0
             # head K/V now holds positions [0, n - 1); features of those are spent
             state.head_valid = request.num_tokens - 1
-            state.head_features = None
-            state.head_features_start = request.num_tokens - 1
+            state.drop_features(request.num_tokens - 1)
 
     def features_wanted(self, requests: list[Request]) -> list[bool] | None:
         """Which of this step's requests need the target's features (for the draft head);

@@ -11,7 +11,7 @@ step in tests):
 * ``draft_cache_valid <= request.num_computed_tokens``: the draft model's K/V is trusted only
   where the target's is (verified tokens); a preemption resets it to 0;
 * ``head_valid <= request.num_computed_tokens``: likewise for the draft head's K/V; its
-  pending target features (``head_features``, rows for positions from
+  pending target features (``head_feature_chunks``, rows for positions from
   ``head_features_start``) are dropped on preemption with it;
 * ``model_k > 0`` only between ``plan`` (which reserves the slots) and ``draft`` (which fills
   the drafts) of one step;
@@ -45,8 +45,10 @@ class RequestSpecState:
     draft_cache_valid: int = 0  # draft-model K/V valid for positions [0, this)
     num_planned_steps: int = 0  # steps in which drafts were planned for the request
     head_valid: int = 0  # draft-head K/V valid for positions [0, this)
-    # target features [m, 3h] of positions [head_features_start, +m) not yet fed to the head
-    head_features: torch.Tensor | None = None
+    # target features of positions [head_features_start, +m) not yet fed to the head, as the
+    # steps delivered them ([rows, 3h] each; joined only when the head drafts: joining every
+    # step copied a whole prompt's features per request per step)
+    head_feature_chunks: list[torch.Tensor] = field(default_factory=list)
     head_features_start: int = 0
 
     def tracker(self, source: str, pooled: AcceptanceTracker | None = None
@@ -72,17 +74,34 @@ class RequestSpecState:
         self.drop_in_flight()
         self.draft_cache_valid = 0
         self.head_valid = 0
-        self.head_features = None
-        self.head_features_start = 0
+        self.drop_features(0)
+
+    @property
+    def num_head_features(self) -> int:
+        return sum(len(chunk) for chunk in self.head_feature_chunks)
+
+    def head_features(self) -> torch.Tensor | None:
+        """The kept features ``[m, 3h]`` (positions from ``head_features_start``), or None."""
+        chunks = self.head_feature_chunks
+        if not chunks:
+            return None
+        if len(chunks) > 1:
+            chunks[:] = [torch.cat(chunks)]
+        return chunks[0]
 
     def add_features(self, start: int, rows: torch.Tensor) -> None:
         """Target features ``rows [m, 3h]`` of positions ``[start, start + m)``; a gap or an
         overlap with what is kept restarts the kept rows at ``start``."""
-        kept = self.head_features
-        if kept is not None and self.head_features_start + len(kept) == start:
-            self.head_features = torch.cat([kept, rows])
+        if self.head_feature_chunks and self.head_features_start + self.num_head_features \
+                == start:
+            self.head_feature_chunks.append(rows)
         else:
-            self.head_features, self.head_features_start = rows, start
+            self.head_feature_chunks, self.head_features_start = [rows], start
+
+    def drop_features(self, start: int) -> None:
+        """The head has seen every position before ``start``: nothing kept."""
+        self.head_feature_chunks = []
+        self.head_features_start = start
 
     def check_invariants(self, num_computed_tokens: int) -> None:
         """Between steps (after the scheduler applied a step's output)."""

@@ -108,3 +108,24 @@ def test_a_seeded_sampled_request_starts_from_the_fixed_prior():
     assert spec._tracker(greedy, "draft").alpha == 0.1
     assert spec._tracker(unseeded, "draft").alpha == 0.1
     assert spec._tracker(seeded, "draft").alpha == AcceptanceTracker.alpha
+
+
+def test_head_features_are_kept_in_order_and_restart_after_a_gap():
+    """Feature rows arrive a step at a time and are joined only when the head drafts."""
+    import torch
+
+    from quickdraft.spec.state import RequestSpecState
+
+    state = RequestSpecState()
+    assert state.head_features() is None
+    rows = torch.arange(12.0).reshape(6, 2)
+    state.add_features(10, rows[:3])
+    state.add_features(13, rows[3:4])
+    state.add_features(14, rows[4:])
+    assert len(state.head_feature_chunks) == 3 and state.num_head_features == 6
+    feats = state.head_features()
+    assert feats is not None and torch.equal(feats, rows) and state.head_features_start == 10
+    state.add_features(20, rows[:1])  # a gap: only the new rows are kept
+    assert state.head_features_start == 20 and state.num_head_features == 1
+    state.drop_features(21)
+    assert state.head_features() is None and state.head_features_start == 21
