@@ -76,6 +76,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def seeded_sampling(self) -> bool:
+        """Sampled with a seed: the output must depend on the seed and prompt alone."""
+        return not self.greedy and self.seed is not None
+
+    @property
     def uses_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1.0

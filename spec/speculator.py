@@ -33,7 +33,7 @@ from quickdraft.spec.ngram import NgramProposer
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy, expected_accepted
 from quickdraft.spec.recycling import RecyclingProposer
-from quickdraft.spec.state import RECYCLING_PRIOR
+from quickdraft.spec.state import prior
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_tree import available as suffix_tree_available
 from quickdraft.spec.token_tree import TokenTree
@@ -262,8 +262,8 @@ class Speculator:
         """The pooled acceptance estimate of ``kind`` over all requests so far."""
         pooled = self._pools.get(kind)
         if pooled is None:
-            prior = RECYCLING_PRIOR if kind == "recycling" else AcceptanceTracker.alpha
-            pooled = self._pools[kind] = AcceptanceTracker(alpha=prior, decay=POOLED_DECAY)
+            pooled = self._pools[kind] = AcceptanceTracker(alpha=prior(kind),
+                                                           decay=POOLED_DECAY)
         return pooled
 
     def _tracker(self, request: Request, source: str) -> AcceptanceTracker:
@@ -272,8 +272,7 @@ class Speculator:
         content), which it keeps updating. A seeded sampled request's starts from the fixed
         prior instead: the random draws its verification consumes depend on how many
         drafts it gets, and its output must depend on its seed and prompt alone."""
-        params = request.sampling_params
-        seeded = not params.greedy and params.seed is not None
+        seeded = request.sampling_params.seeded_sampling
         return request.spec_state.tracker(source, None if seeded else self._pool(source))
 
     def recycler(self, requests: list[Request]

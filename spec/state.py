@@ -35,6 +35,11 @@ SOURCES = ("ngram", "suffix", "recycling", "draft", "head")
 RECYCLING_PRIOR = 0.3
 
 
+def prior(source: str) -> float:
+    """A new acceptance estimate for ``source`` when nothing was measured yet."""
+    return RECYCLING_PRIOR if source == "recycling" else AcceptanceTracker.alpha
+
+
 @dataclass
 class RequestSpecState:
     trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)  # by source
@@ -57,9 +62,8 @@ class RequestSpecState:
         of its drafts such as ``suffix/8+``); a new one starts from ``pooled`` (the estimate
         over earlier requests) where given."""
         if source not in self.trackers:  # recycling starts at its measured mean, not 0.6
-            prior = RECYCLING_PRIOR if source == "recycling" else AcceptanceTracker.alpha
             self.trackers[source] = AcceptanceTracker.from_pool(pooled) if pooled \
-                else AcceptanceTracker(alpha=prior)
+                else AcceptanceTracker(alpha=prior(source))
         return self.trackers[source]
 
     def drop_in_flight(self) -> None:

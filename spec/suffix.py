@@ -129,8 +129,7 @@ class SuffixProposer:
         context = request.token_ids_slice(max(n - c.max_depth, 0), n)
         tries = [(state.tree, context)]
         partition = self._partitions.get(request.cache_salt)
-        params = request.sampling_params
-        if partition is not None and (params.greedy or params.seed is None):
+        if partition is not None and not request.sampling_params.seeded_sampling:
             # (a seeded sampled request drafts from its own context only: the random draws
             # it consumes depend on its drafts, and its output must depend only on its seed)
             tries.append((partition.tree, context))

@@ -85,34 +85,6 @@ class TokenTree:
         token_ids = tuple(tokens)
         return cls(token_ids, tuple(range(-1, len(token_ids) - 1)))
 
-    @classmethod
-    def merge(cls, chains: Sequence[Sequence[int]],
-              max_nodes: int = MAX_TREE_NODES) -> TokenTree:
-        """The trie union of candidate continuations: shared prefixes become one path.
-
-        Nodes are numbered in first-seen order (chain by chain, token by token). Once
-        ``max_nodes`` nodes exist, the rest of the chains is dropped (a prefix of a
-        topological order is still a tree), so the result always fits.
-        """
-        if not 0 <= max_nodes <= MAX_TREE_NODES:
-            raise ValueError(f"max_nodes must be in [0, {MAX_TREE_NODES}], got {max_nodes}")
-        index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        tokens: list[int] = []
-        parents: list[int] = []
-        for chain in chains:
-            node = -1
-            for token in chain:
-                child = index.get((node, token))
-                if child is None:
-                    if len(tokens) == max_nodes:
-                        break
-                    child = len(tokens)
-                    index[(node, token)] = child
-                    tokens.append(token)
-                    parents.append(node)
-                node = child
-        return cls(tuple(tokens), tuple(parents))
-
     # -------------------------------------------------------------------------------------
     # Structure
     # -------------------------------------------------------------------------------------
@@ -161,10 +133,6 @@ class TokenTree:
             path.append(node)
             node = self.parents[node]
         return tuple(reversed(path))
-
-    def path_tokens(self, node: int) -> tuple[int, ...]:
-        """The tokens along :meth:`path_to` ``(node)``: the continuation that node drafts."""
-        return tuple(self.token_ids[i] for i in self.path_to(node))
 
     # -------------------------------------------------------------------------------------
     # What the verification step consumes

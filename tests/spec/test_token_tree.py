@@ -7,6 +7,7 @@ import random
 import pytest
 
 from quickdraft.spec.token_tree import MAX_TREE_NODES, TokenTree
+from tests.spec.token_trees import merge_chains, path_tokens
 
 # root -> 5 (0) -> 7 (1) -> 9 (3)
 #      -> 6 (2) -> 7 (4)
@@ -75,7 +76,7 @@ def test_structure_of_a_small_tree() -> None:
     assert TREE.children(3) == ()
     assert TREE.path_to(3) == (0, 1, 3)
     assert TREE.path_to(-1) == ()
-    assert TREE.path_tokens(5) == (6, 8)
+    assert path_tokens(TREE, 5) == (6, 8)
     with pytest.raises(IndexError):
         TREE.children(6)
     with pytest.raises(IndexError):
@@ -114,34 +115,34 @@ def test_row_masks_and_positions_match_a_brute_force_walk() -> None:
 
 
 def test_merge_shares_prefixes_in_first_seen_order() -> None:
-    tree = TokenTree.merge([[5, 7, 9], [6, 7], [5, 7, 1], [6, 8], [5], []])
+    tree = merge_chains([[5, 7, 9], [6, 7], [5, 7, 1], [6, 8], [5], []])
     assert tree.token_ids == (5, 7, 9, 6, 7, 1, 8)
     assert tree.parents == (-1, 0, 1, -1, 3, 1, 3)
     for chain in ([5, 7, 9], [6, 7], [5, 7, 1], [6, 8], [5]):
-        leaf = next(i for i in range(len(tree)) if tree.path_tokens(i) == tuple(chain))
+        leaf = next(i for i in range(len(tree)) if path_tokens(tree, i) == tuple(chain))
         assert tree.path_to(leaf)[-1] == leaf
-    assert TokenTree.merge([]) == TokenTree()
-    assert TokenTree.merge([[1, 2, 3]]) == TokenTree.from_chain([1, 2, 3])
-    assert TokenTree.merge([[1, 2], [1, 2]]) == TokenTree.from_chain([1, 2])
+    assert merge_chains([]) == TokenTree()
+    assert merge_chains([[1, 2, 3]]) == TokenTree.from_chain([1, 2, 3])
+    assert merge_chains([[1, 2], [1, 2]]) == TokenTree.from_chain([1, 2])
 
 
 def test_merge_stops_at_the_node_limit() -> None:
     chains = [[i, i + 100, i + 200] for i in range(30)]  # 90 distinct nodes
-    tree = TokenTree.merge(chains)
+    tree = merge_chains(chains)
     assert len(tree) == MAX_TREE_NODES
-    assert tree == TokenTree.merge(chains[:21])  # 21 whole chains = 63 nodes
-    small = TokenTree.merge([[1, 2, 3], [1, 4, 5]], max_nodes=4)
+    assert tree == merge_chains(chains[:21])  # 21 whole chains = 63 nodes
+    small = merge_chains([[1, 2, 3], [1, 4, 5]], max_nodes=4)
     assert small.token_ids == (1, 2, 3, 4) and small.parents == (-1, 0, 1, 0)
     with pytest.raises(ValueError, match="max_nodes"):
-        TokenTree.merge([[1]], max_nodes=64)
+        merge_chains([[1]], max_nodes=64)
 
 
 def test_merge_of_random_chains_holds_every_chain() -> None:
     rng = random.Random(1)
     for _ in range(100):
         chains = [[rng.randrange(3) for _ in range(rng.randrange(5))] for _ in range(6)]
-        tree = TokenTree.merge(chains)
-        paths = {tree.path_tokens(i) for i in range(len(tree))}
+        tree = merge_chains(chains)
+        paths = {path_tokens(tree, i) for i in range(len(tree))}
         prefixes = {tuple(c[:j]) for c in chains for j in range(1, len(c) + 1)}
         assert paths == prefixes  # every path is a prefix of a chain and vice versa
         assert len(paths) == len(tree)  # no path twice

@@ -16,6 +16,7 @@ from quickdraft.spec.token_tree import TokenTree
 from quickdraft.spec.tree_verification import TreeVerifyOutput, tree_node_rows, verify_trees
 from tests.spec.test_rejection_sampler import GREEDY, NGRAM_TOKENS, make_batch, peaked_rows, seeded
 from tests.spec.test_token_tree import random_tree
+from tests.spec.token_trees import merge_chains
 
 
 def brute_greedy(tree: TokenTree, rows: torch.Tensor) -> tuple[list[int], int]:
@@ -99,7 +100,7 @@ def test_empty_trees_next_to_trees_are_the_engine_sampler() -> None:
     penalised = [SamplingParams(temperature=1.2, top_k=7, repetition_penalty=1.3, seed=2),
                  SamplingParams(temperature=0.0, frequency_penalty=1.5, logprobs=True)]
     plain = [[4, 4, 5], [6, 6]]  # the penalised requests' outputs so far
-    trees = [TokenTree(), TokenTree.merge([[1, 2], [3]]), TokenTree(), TokenTree.from_chain([5])]
+    trees = [TokenTree(), merge_chains([[1, 2], [3]]), TokenTree(), TokenTree.from_chain([5])]
     params = [penalised[0], SamplingParams(seed=9), penalised[1], GREEDY]
     logits = torch.randn(8, 32, generator=seeded(0))
     for seed in range(5):
@@ -115,7 +116,7 @@ def test_empty_trees_next_to_trees_are_the_engine_sampler() -> None:
 
 
 def test_logprobs_are_raw_log_softmax_at_each_emitted_row() -> None:
-    trees = [TokenTree((0, 1, 2, 3), (-1, -1, 0, 1)), TokenTree.merge([[1, 2], [0]])]
+    trees = [TokenTree((0, 1, 2, 3), (-1, -1, 0, 1)), merge_chains([[1, 2], [0]])]
     logits = torch.randn(9, 4, generator=seeded(3))
     logits[0, 1] = logits[2, 3] = logits[5, 1] = logits[6, 2] = 9.0  # likely 1 -> 3; 1 -> 2
     params = [SamplingParams(temperature=2.0, logprobs=True), GREEDY]
@@ -133,7 +134,7 @@ def test_logprobs_are_raw_log_softmax_at_each_emitted_row() -> None:
 
 def test_seeded_request_reproducible_alone_or_batched() -> None:
     params = SamplingParams(temperature=1.5, seed=11)
-    tree = TokenTree.merge([[1, 2, 3], [1, 4], [5], [0, 0]])
+    tree = merge_chains([[1, 2, 3], [1, 4], [5], [0, 0]])
     target = torch.randn(tree.num_rows, 8, generator=seeded(5))  # [n + 1, V]
     alone = [verify_trees(target, [tree], make_batch([params], [seeded(s)])) for s in range(30)]
     others = torch.randn(4, 8, generator=seeded(8))
@@ -202,15 +203,15 @@ def make_trees(shape: str, params: SamplingParams, n: int, gen: torch.Generator)
     if shape == "good":  # the two likeliest first tokens, each with its two likeliest next
         firsts = p1.argsort(descending=True)[:2].tolist()
         chains = [[a, b] for a in firsts for b in p2[a].argsort(descending=True)[:2].tolist()]
-        return [TokenTree.merge(chains)] * n
+        return [merge_chains(chains)] * n
     if shape == "bad":  # the two least likely first tokens, each with its least likely next
         firsts = ROOT.argsort()[:2].tolist()
-        return [TokenTree.merge([[a, int(SECOND[a].argmin())] for a in firsts])] * n
+        return [merge_chains([[a, int(SECOND[a].argmin())] for a in firsts])] * n
     if shape == "chain":  # one-hot chains of two tokens, skewed unlike the target
         drafts = torch.multinomial(NGRAM_TOKENS, n, replacement=True, generator=gen).T
         return [TokenTree.from_chain(c) for c in drafts.tolist()]
     assert shape == "siblings"  # four siblings at the root, two of them with children
-    return [TokenTree.merge([[3, 2], [0, 0], [0, 4], [5], [1]])] * n
+    return [merge_chains([[3, 2], [0, 0], [0, 4], [5], [1]])] * n
 
 
 def check_counts(codes: list[int], expected: torch.Tensor, what: str) -> None:
