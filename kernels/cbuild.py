@@ -3,11 +3,12 @@
 A kernel's shared library lands in ``$QUICKDRAFT_CACHE/kernels`` (default
 ``~/.cache/quickdraft/kernels``) as ``<name>-<hash of source and flags>.so``: written to a temp
 file and ``os.replace``d into place, older builds of the same kernel removed. The source goes
-through stdin so what is built is exactly what was hashed. Loading never raises: without gcc,
-without the CPU features, without the source (a broken install) or on a failed build it logs
-one ERROR and returns None, and the caller falls back to its torch reference, which is several
-times slower. :func:`status` says which kernels loaded and why the others did not (``/health``
-shows it, ``quickdraft serve`` prints it at start-up).
+through stdin so what is built is exactly what was hashed: :func:`read_source` expands its
+``#include "name.h"`` lines (headers beside it, each once) into that one text. Loading never
+raises: without gcc, without the CPU features, without the source (a broken install) or on a
+failed build it logs one ERROR and returns None, and the caller falls back to its torch
+reference, which is several times slower. :func:`status` says which kernels loaded and why the
+others did not (``/health`` shows it, ``quickdraft serve`` prints it at start-up).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -63,6 +65,33 @@ def cpu_has(flags: frozenset[str]) -> bool:
     return False
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$')
+
+
+def read_source(path: Path) -> bytes:
+    """``path``'s text with each ``#include "name.h"`` line replaced by the text of
+    ``name.h`` from the same folder (expanded the same way; a header already expanded is left
+    out): one translation unit, so the hash covers every line compiled. ``#line`` markers keep
+    compiler messages pointing at the right file and line."""
+    seen: set[Path] = set()
+
+    def expand(file: Path) -> list[bytes]:
+        seen.add(file)
+        out = [b'#line 1 "%s"' % file.name.encode()]
+        for number, line in enumerate(file.read_bytes().splitlines(), start=1):
+            match = _LOCAL_INCLUDE.match(line)
+            if match is None:
+                out.append(line)
+                continue
+            header = file.parent / match.group(1).decode()
+            if header not in seen:
+                out += expand(header)
+            out.append(b'#line %d "%s"' % (number + 1, file.name.encode()))
+        return out
+
+    return b"\n".join(expand(path.resolve())) + b"\n"
+
+
 def build(name: str, source: bytes, cflags: tuple[str, ...], cc: str, *, lang: str = "c",
           ldflags: tuple[str, ...] = ("-lm",)) -> Path:
     """Compile ``source`` (``lang``: ``c`` or ``c++``) into the cache (once per source and
@@ -103,7 +132,7 @@ def load(name: str, source: Path, cflags: tuple[str, ...],
         elif (cc := shutil.which("gcc")) is None:
             problem = "gcc not found"
         else:
-            lib = ctypes.CDLL(str(build(name, source.read_bytes(), cflags, cc)))
+            lib = ctypes.CDLL(str(build(name, read_source(source), cflags, cc)))
             record(name, None)
             return lib
     except subprocess.CalledProcessError as e:

@@ -18,11 +18,16 @@
  * whose context holds the same K/V at contiguous positions (a verified path copied into place
  * is later seen exactly as verification saw it). Causal rows keep the contiguous walk.
  *
- * One task per (query token, kv head): the G = num_heads / num_kv_heads query heads sharing
- * that kv head are processed together, so each K/V row is read once per group. A task sees
- * only its own token's visible context ctx = L - q_len + i + 1 (a tree row's: base + its set
- * bits), so its result is the same bits whatever else is in the step (verifying k+1 tokens ==
- * decoding them one at a time).
+ * Each (query row, kv head) lane is computed on its own: the G = num_heads / num_kv_heads query
+ * heads sharing that kv head together, over the row's own visible context ctx = L - q_len +
+ * i + 1 (a tree row's: base + its set bits), so its result is the same bits whatever else
+ * is in the step and however lanes are grouped into tasks (verifying k+1 tokens == decoding
+ * them one at a time). A task is a run of one sequence's rows and some of its kv heads: the
+ * lanes share reading a chunk of K/V rows and converting it to fp32 once, for every chunk
+ * that all its rows see whole at the same positions (a long context is memory-bound, so
+ * verification rows and prefill rows ride on one stream of the cache). With enough
+ * sequences a task takes all kv heads (contiguous in the cache); with few, one kv head and
+ * fewer rows, so that the threads have work.
  * Positions are walked in chunks of QD_CHUNK with an online softmax (running max and sum per
  * head; the accumulator is rescaled once per chunk), so no [ctx] buffer is needed. All math is
  * fp32 (bf16 -> fp32 by shift; q is pre-multiplied by scale), the output is rounded to bf16
@@ -30,7 +35,7 @@
  *
  * Tasks run on OpenMP threads only when there is enough work (QD_PAR_TASKS tasks and more
  * than QD_PAR_CTX visible positions in total): waking the pool costs ~10+ us. Threading never
- * changes a task's arithmetic.
+ * changes a lane's arithmetic.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -39,69 +44,18 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define QD_TARGET __attribute__((target("avx2,fma")))
-#define QD_INLINE static inline __attribute__((always_inline)) QD_TARGET
+#include "cpu_attention_lane.h"
+#include "cpu_bf16.h"
 
-#define QD_CHUNK 32          /* positions per online-softmax step (multiple of 8) */
-#define QD_MAX_GD 8192       /* max (query heads per kv head) * head_dim per task */
+#define QD_MAX_GD 8192       /* max (query heads per kv head) * head_dim */
+#define QD_MAX_D 256         /* max head_dim (the fp32 K/V chunk scratch) */
+#define QD_MAX_ROWS 16       /* max query rows per task */
+#define QD_MAX_LANES 64      /* max (query row, kv head) pairs per task */
+#define QD_ROW_FLOATS 8192   /* max lanes * (query heads per kv head) * head_dim per task */
 #define QD_PAR_TASKS 2
 #define QD_PAR_CTX 256
 
-enum { QD_OK = 0, QD_EARG = -1, QD_EBLOCK = -2, QD_ELEN = -3, QD_EMASK = -4 };
-
-/* ------------------------------------------------------------------------------------------ */
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-QD_INLINE __m256 load_bf16(const uint16_t* p) {
-    const __m128i v = _mm_loadu_si128((const __m128i*)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
-QD_INLINE float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* Lane j of the result = horizontal sum of a[j]. */
-QD_INLINE __m256 hsum8(const __m256* a) {
-    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
-    const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
-    const __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1); /* a0 a1 a2 a3 (lo) | a0 a1 a2 a3 (hi) */
-    const __m256 u1 = _mm256_hadd_ps(t2, t3); /* a4 a5 a6 a7 (lo) | ... (hi) */
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                         _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-/* exp(x) for x <= 0 (clamped below so that 2^n stays normal). */
-QD_INLINE __m256 exp_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i n = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
+enum { QD_OK = 0, QD_EARG = -1, QD_EBLOCK = -2, QD_ELEN = -3, QD_EMASK = -4, QD_ENOMEM = -5 };
 
 /* ------------------------------------------------------------------------------------------ */
 
@@ -119,180 +73,150 @@ typedef struct {
     float scale;
 } Args;
 
-/* The sequence owning query row t: the last s with qsl[s] <= t (empty sequences skipped). */
-static int seq_of_token(const Args* a, int t) {
-    if (a->qsl == NULL) return t;
-    int lo = 0, hi = a->num_seqs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (a->qsl[mid] <= t) lo = mid; else hi = mid - 1;
-    }
-    return lo;
-}
+/* Where one query row's visible positions lie: visible index v < contig is position v; the
+ * rest are ctx0 + j for the set bits j of bits, in increasing order (a tree row); ctx of
+ * them in all. */
+typedef struct {
+    int ctx, contig, ctx0;
+    uint64_t bits;
+} RowSpan;
 
-/* One (query token t, kv head) task. Returns QD_OK or an error code (nothing else is
+/* One task: query rows [t0, t1) of sequence s (consecutive tokens) and kv heads [h0, h1). */
+typedef struct {
+    int s, t0, t1, h0, h1;
+    long long cost; /* rows * heads * visible positions (an estimate, for the task order) */
+} Task;
+
+/* A task's rows and heads. Each (row, kv head) lane is computed exactly as it would be alone
+ * (same chunks, same arithmetic): lanes only share reading and converting the chunks that all
+ * rows see whole at the same positions, so a task streams its sequence's K/V once, all heads'
+ * rows together (contiguous in the cache). Returns QD_OK or an error code (nothing else is
  * touched). */
-static QD_TARGET int attend_one(const Args* a, int t, int kvh) {
-    const int D = a->d, G = a->heads / a->kv_heads, bs = a->block_size;
-    const int s = seq_of_token(a, t);
-    /* visible context of causal token i = t - qsl[s] of a sequence with q_len tokens */
-    const int causal = a->qsl == NULL ? a->seq_lens[s]
-                                      : a->seq_lens[s] - (a->qsl[s + 1] - t) + 1;
-    if (causal <= 0 || (long long)causal > (long long)a->max_blocks * bs) return QD_ELEN;
-    /* a tree row (nonzero mask, checked by prepare) sees [0, ctx0) then ctx0 + j for its set
-     * bits j; positions [0, contig) are walked contiguously */
-    uint64_t bits = 0;
-    int ctx0 = 0;
-    if (a->tree_mask != NULL && a->tree_mask[t] != 0) {
-        bits = (uint64_t)a->tree_mask[t];
-        ctx0 = a->seq_lens[s] - (a->qsl == NULL ? 1 : a->qsl[s + 1] - a->qsl[s]);
-    }
-    const int ctx = bits ? ctx0 + __builtin_popcountll(bits) : causal;
-    const int contig = bits ? ctx0 : ctx;
+static QD_TARGET int attend_task(const Args* a, const Task* task) {
+    const int D = a->d, G = a->heads / a->kv_heads, GD = G * D, bs = a->block_size;
+    const int s = task->s, t0 = task->t0, R = task->t1 - task->t0;
+    const int h0 = task->h0, NH = task->h1 - task->h0;
+    const int first = a->qsl == NULL ? s : a->qsl[s];
+    const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - first;
+    const int base_ctx = a->seq_lens[s] - q_len; /* positions before the new tokens */
     const int32_t* table = a->block_tables + (size_t)s * a->max_blocks;
     const size_t row_stride = (size_t)a->kv_heads * D;          /* between positions */
-    const size_t head_off = (size_t)kvh * D;
 
-    float qs[QD_MAX_GD] __attribute__((aligned(32)));
-    float acc[QD_MAX_GD] __attribute__((aligned(32)));
-    float m[64], l[64];
-    float sc[64 * QD_CHUNK] __attribute__((aligned(32)));      /* [G][QD_CHUNK] scores */
+    RowSpan span[QD_MAX_ROWS];
+    /* lane (r, h) = r * NH + h: its q (pre-scaled) and accumulator [G][D], max and sum [G] */
+    float qs[QD_ROW_FLOATS] __attribute__((aligned(32)));
+    float acc[QD_ROW_FLOATS] __attribute__((aligned(32)));
+    float m[QD_MAX_LANES * 64], l[QD_MAX_LANES * 64];
+    float sc[64 * QD_CHUNK] __attribute__((aligned(32)));      /* [G][QD_CHUNK] */
+    float kf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(32)));
+    float vf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(32)));
     const uint16_t* krow[QD_CHUNK];
     const uint16_t* vrow[QD_CHUNK];
+    size_t offs[QD_CHUNK]; /* a chunk's positions (their head 0) in the cache */
 
-    const uint16_t* qsrc = a->q + (size_t)t * a->ldq + (size_t)kvh * G * D;
+    int common = INT32_MAX; /* visible indices [0, common) are the same positions for all rows */
     const __m256 vscale = _mm256_set1_ps(a->scale);
-    for (int i = 0; i < G * D; i += 8) {
-        _mm256_store_ps(qs + i, _mm256_mul_ps(load_bf16(qsrc + i), vscale));
-        _mm256_store_ps(acc + i, _mm256_setzero_ps());
+    for (int r = 0; r < R; ++r) {
+        const int t = t0 + r, i = t - first;
+        const int causal = base_ctx + i + 1;
+        if (causal <= 0 || (long long)causal > (long long)a->max_blocks * bs) return QD_ELEN;
+        RowSpan* sp = &span[r];
+        sp->bits = a->tree_mask != NULL ? (uint64_t)a->tree_mask[t] : 0; /* checked by prepare */
+        sp->ctx0 = sp->bits ? base_ctx : 0;
+        sp->ctx = sp->bits ? base_ctx + __builtin_popcountll(sp->bits) : causal;
+        sp->contig = sp->bits ? base_ctx : sp->ctx;
+        if (sp->contig < common) common = sp->contig;
+        for (int h = 0; h < NH; ++h) {
+            const uint16_t* qsrc = a->q + (size_t)t * a->ldq + (size_t)(h0 + h) * GD;
+            const size_t lane = (size_t)r * NH + h;
+            for (int x = 0; x < GD; x += 8) {
+                _mm256_store_ps(qs + lane * GD + x, _mm256_mul_ps(load_bf16(qsrc + x), vscale));
+                _mm256_store_ps(acc + lane * GD + x, _mm256_setzero_ps());
+            }
+            for (int g = 0; g < G; ++g) { m[lane * G + g] = -INFINITY; l[lane * G + g] = 0.0f; }
+        }
     }
-    for (int g = 0; g < G; ++g) { m[g] = -INFINITY; l[g] = 0.0f; }
 
+    /* the shared whole chunks: contiguous positions, converted once per head for all R rows;
+     * the next chunk's K/V rows of a head are prefetched before this one's are computed */
+    const int shared = common - common % QD_CHUNK;
     int bi = -1, bo = bs; /* block index in the table, offset in the block (no divisions) */
     size_t base = 0;
-    for (int p0 = 0; p0 < ctx; p0 += QD_CHUNK) {
-        const int n = ctx - p0 < QD_CHUNK ? ctx - p0 : QD_CHUNK;
-        /* row pointers of this chunk's positions: contiguous ones, then a tree row's set bits */
-        const int nc = contig - p0 >= n ? n : (contig > p0 ? contig - p0 : 0);
-        for (int j = 0; j < nc; ++j) {
-            if (bo == bs) {
-                const int blk = table[++bi];
-                if (blk < 0 || blk >= a->num_blocks) return QD_EBLOCK;
-                base = (size_t)blk * bs * row_stride + head_off;
-                bo = 0;
+    size_t ahead[2][QD_CHUNK]; /* positions (head 0) of this chunk and the next */
+    for (int p0 = 0, cur = 0; p0 < shared; p0 += QD_CHUNK, cur ^= 1) {
+        for (int c = p0 == 0 ? 0 : 1; c < 2 && p0 + c * QD_CHUNK < shared; ++c)
+            for (int j = 0; j < QD_CHUNK; ++j) {
+                if (bo == bs) {
+                    const int blk = table[++bi];
+                    if (blk < 0 || blk >= a->num_blocks) return QD_EBLOCK;
+                    base = (size_t)blk * bs * row_stride;
+                    bo = 0;
+                }
+                ahead[cur ^ c][j] = base + (size_t)bo++ * row_stride;
             }
-            const size_t off = base + (size_t)bo++ * row_stride;
-            krow[j] = a->k + off;
-            vrow[j] = a->v + off;
-        }
-        for (int j = nc; j < n; ++j) {
-            const int p = ctx0 + __builtin_ctzll(bits);
-            bits &= bits - 1;
-            const int blk = table[p / bs];
-            if (blk < 0 || blk >= a->num_blocks) return QD_EBLOCK;
-            const size_t off = ((size_t)blk * bs + (size_t)(p % bs)) * row_stride + head_off;
-            krow[j] = a->k + off;
-            vrow[j] = a->v + off;
-        }
-        /* scores sc[g][j] = (scale q_g) . k_j */
-        for (int g = 0; g < G; ++g) {
-            const float* qg = qs + (size_t)g * D;
-            float* sg = sc + g * QD_CHUNK;
-            int j = 0;
-            for (; j + 8 <= n; j += 8) {
-                __m256 part[8];
-                for (int t = 0; t < 8; ++t) {
-                    const uint16_t* kr = krow[j + t];
-                    __m256 s0 = _mm256_mul_ps(_mm256_load_ps(qg), load_bf16(kr));
-                    __m256 s1 = _mm256_setzero_ps();
-                    int dd = 8;
-                    for (; dd + 16 <= D; dd += 16) {
-                        s1 = _mm256_fmadd_ps(_mm256_load_ps(qg + dd), load_bf16(kr + dd), s1);
-                        s0 = _mm256_fmadd_ps(_mm256_load_ps(qg + dd + 8), load_bf16(kr + dd + 8),
-                                             s0);
+        const int next = p0 + QD_CHUNK < shared;
+        for (int h = 0; h < NH; ++h) {
+            const size_t head_off = (size_t)(h0 + h) * D;
+            for (int j = 0; j < QD_CHUNK; ++j) {
+                krow[j] = a->k + ahead[cur][j] + head_off;
+                vrow[j] = a->v + ahead[cur][j] + head_off;
+            }
+            load_chunk(krow, vrow, QD_CHUNK, D, kf, vf);
+            if (next)
+                for (int j = 0; j < QD_CHUNK; ++j)
+                    for (int x = 0; x < D; x += 32) { /* 64-byte lines */
+                        _mm_prefetch((const char*)(a->k + ahead[cur ^ 1][j] + head_off + x),
+                                     _MM_HINT_T0);
+                        _mm_prefetch((const char*)(a->v + ahead[cur ^ 1][j] + head_off + x),
+                                     _MM_HINT_T0);
                     }
-                    for (; dd < D; dd += 8)
-                        s1 = _mm256_fmadd_ps(_mm256_load_ps(qg + dd), load_bf16(kr + dd), s1);
-                    part[t] = _mm256_add_ps(s0, s1);
+            for (int r = 0; r < R; ++r) {
+                const size_t lane = (size_t)r * NH + h;
+                row_chunk(qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc, kf,
+                          vf, QD_CHUNK, G, D);
+            }
+        }
+    }
+    /* each row's own remaining chunks: its contiguous positions, then its tree bits */
+    for (int r = 0; r < R; ++r) {
+        const RowSpan* sp = &span[r];
+        uint64_t bits = sp->bits;
+        for (int p0 = shared; p0 < sp->ctx; p0 += QD_CHUNK) {
+            const int n = sp->ctx - p0 < QD_CHUNK ? sp->ctx - p0 : QD_CHUNK;
+            for (int j = 0; j < n; ++j) {
+                int p = p0 + j;
+                if (p >= sp->contig) {
+                    p = sp->ctx0 + __builtin_ctzll(bits);
+                    bits &= bits - 1;
                 }
-                _mm256_store_ps(sg + j, hsum8(part));
+                const int blk = table[p / bs];
+                if (blk < 0 || blk >= a->num_blocks) return QD_EBLOCK;
+                offs[j] = ((size_t)blk * bs + (size_t)(p % bs)) * row_stride;
             }
-            for (; j < n; ++j) {
-                const uint16_t* kr = krow[j];
-                __m256 s0 = _mm256_setzero_ps();
-                for (int dd = 0; dd < D; dd += 8)
-                    s0 = _mm256_fmadd_ps(_mm256_load_ps(qg + dd), load_bf16(kr + dd), s0);
-                sg[j] = hsum(s0);
-            }
-        }
-        /* online softmax: new max, rescale, weights */
-        for (int g = 0; g < G; ++g) {
-            float* sg = sc + g * QD_CHUNK;
-            float cmax = sg[0];
-            for (int j = 1; j < n; ++j) cmax = sg[j] > cmax ? sg[j] : cmax;
-            const float mnew = cmax > m[g] ? cmax : m[g];
-            if (mnew > m[g]) {
-                const float alpha = expf(m[g] - mnew); /* 0 on the first chunk */
-                l[g] *= alpha;
-                const __m256 va = _mm256_set1_ps(alpha);
-                float* ag = acc + (size_t)g * D;
-                for (int dd = 0; dd < D; dd += 8)
-                    _mm256_store_ps(ag + dd, _mm256_mul_ps(_mm256_load_ps(ag + dd), va));
-                m[g] = mnew;
-            }
-            const __m256 vm = _mm256_set1_ps(mnew);
-            __m256 vsum = _mm256_setzero_ps();
-            int j = 0;
-            for (; j + 8 <= n; j += 8) {
-                const __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(sg + j), vm));
-                _mm256_store_ps(sg + j, w);
-                vsum = _mm256_add_ps(vsum, w);
-            }
-            if (j < n) {
-                float tmp[8] __attribute__((aligned(32)));
-                for (int t = 0; t < 8; ++t) tmp[t] = j + t < n ? sg[j + t] : mnew;
-                __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(tmp), vm));
-                _mm256_store_ps(tmp, w);
-                for (int t = 0; j + t < n; ++t) { sg[j + t] = tmp[t]; l[g] += tmp[t]; }
-            }
-            l[g] += hsum(vsum);
-        }
-        /* acc[g] += sum_j w[g][j] * v_j */
-        /* (the accumulator stays in registers over the chunk; V rows are re-read from L1) */
-        for (int g = 0; g < G; ++g) {
-            const float* wg = sc + g * QD_CHUNK;
-            float* ag = acc + (size_t)g * D;
-            int dd = 0;
-            for (; dd + 32 <= D; dd += 32) {
-                __m256 a0 = _mm256_load_ps(ag + dd), a1 = _mm256_load_ps(ag + dd + 8);
-                __m256 a2 = _mm256_load_ps(ag + dd + 16), a3 = _mm256_load_ps(ag + dd + 24);
+            for (int h = 0; h < NH; ++h) {
+                const size_t head_off = (size_t)(h0 + h) * D, lane = (size_t)r * NH + h;
                 for (int j = 0; j < n; ++j) {
-                    const __m256 w = _mm256_broadcast_ss(wg + j);
-                    const uint16_t* vr = vrow[j] + dd;
-                    a0 = _mm256_fmadd_ps(w, load_bf16(vr), a0);
-                    a1 = _mm256_fmadd_ps(w, load_bf16(vr + 8), a1);
-                    a2 = _mm256_fmadd_ps(w, load_bf16(vr + 16), a2);
-                    a3 = _mm256_fmadd_ps(w, load_bf16(vr + 24), a3);
+                    krow[j] = a->k + offs[j] + head_off;
+                    vrow[j] = a->v + offs[j] + head_off;
                 }
-                _mm256_store_ps(ag + dd, a0);
-                _mm256_store_ps(ag + dd + 8, a1);
-                _mm256_store_ps(ag + dd + 16, a2);
-                _mm256_store_ps(ag + dd + 24, a3);
-            }
-            for (; dd < D; dd += 8) {
-                __m256 a0 = _mm256_load_ps(ag + dd);
-                for (int j = 0; j < n; ++j)
-                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(wg + j), load_bf16(vrow[j] + dd), a0);
-                _mm256_store_ps(ag + dd, a0);
+                load_chunk(krow, vrow, n, D, kf, vf);
+                row_chunk(qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc, kf,
+                          vf, n, G, D);
             }
         }
     }
 
-    uint16_t* dst = a->out + ((size_t)t * a->heads + (size_t)kvh * G) * D;
-    for (int g = 0; g < G; ++g) {
-        const float inv = 1.0f / l[g];
-        for (int dd = 0; dd < D; ++dd) dst[g * D + dd] = f32_to_bf16(acc[g * D + dd] * inv);
-    }
+    for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NH; ++h) {
+            uint16_t* dst = a->out + ((size_t)(t0 + r) * a->heads + (size_t)(h0 + h) * G) * D;
+            const size_t lane = (size_t)r * NH + h;
+            const float* ar = acc + lane * GD;
+            for (int g = 0; g < G; ++g) {
+                const float inv = 1.0f / l[lane * G + g];
+                for (int dd = 0; dd < D; ++dd)
+                    dst[g * D + dd] = f32_to_bf16(ar[g * D + dd] * inv);
+            }
+        }
     return QD_OK;
 }
 
@@ -309,7 +233,7 @@ static int prepare(Args* a, long long* total, const void* q, size_t ldq, const v
         || d <= 0 || d % 8 || block_size <= 0 || num_blocks <= 0 || max_blocks <= 0)
         return QD_EARG;
     const int G = heads / kv_heads;
-    if (G > 64 || G * d > QD_MAX_GD || ldq < (size_t)heads * d) return QD_EARG;
+    if (G > 64 || G * d > QD_MAX_GD || d > QD_MAX_D || ldq < (size_t)heads * d) return QD_EARG;
     long long work = 0;
     if (query_start_loc == NULL) {
         if (num_tokens != num_seqs) return QD_EARG;
@@ -345,28 +269,91 @@ static int prepare(Args* a, long long* total, const void* q, size_t ldq, const v
     return QD_OK;
 }
 
-/* Every (token, kv head) task of a prepared call, on nthreads threads (<= 0: OpenMP's
- * default) when the work is large enough. Returns 0, or a task's negative code (bad block id,
- * seq_len / q_len); on an error the output is unspecified. */
+/* Cuts sequence s's q_len rows into parts groups of consecutive rows (sizes differ by at
+ * most one), each with kv heads [h0, h1), appended to tasks[*n]. */
+static void add_tasks(const Args* a, int s, int parts, int h0, int h1, Task* tasks, int* n) {
+    const int first = a->qsl == NULL ? s : a->qsl[s];
+    const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - first;
+    const long long ctx = a->seq_lens[s];
+    for (int k = 0; k < parts; ++k) {
+        Task* t = &tasks[(*n)++];
+        t->s = s;
+        t->t0 = first + (int)((long long)q_len * k / parts);
+        t->t1 = first + (int)((long long)q_len * (k + 1) / parts);
+        t->h0 = h0;
+        t->h1 = h1;
+        t->cost = (long long)(t->t1 - t->t0) * (h1 - h0) * ctx;
+    }
+}
+
+static int by_cost_desc(const void* x, const void* y) {
+    const long long cx = ((const Task*)x)->cost, cy = ((const Task*)y)->cost;
+    return (cx < cy) - (cx > cy);
+}
+
+/* The tasks of a prepared call, costliest first (so a dynamic schedule balances threads).
+ * With enough sequences to keep nthreads busy (two each), a task takes all kv heads of a
+ * sequence's rows: it streams that sequence's K/V contiguously, once. With fewer, a task
+ * takes one kv head, and rows are cut into groups until there are enough tasks. Each task has at most QD_MAX_ROWS rows
+ * and QD_MAX_LANES (row, kv head) lanes of QD_ROW_FLOATS floats of q in all. How rows and
+ * heads are grouped never changes a lane's arithmetic. tasks: room for num_tokens *
+ * kv_heads. Returns how many were filled. */
+static int make_tasks(const Args* a, int nthreads, Task* tasks) {
+    const int GD = a->heads / a->kv_heads * a->d, KH = a->kv_heads;
+    const int want = nthreads > 1 ? 2 * nthreads : 1;
+    /* most rows per task with all heads, and with one head */
+    int rmax_all = QD_ROW_FLOATS / (GD * KH);
+    if (rmax_all > QD_MAX_LANES / KH) rmax_all = QD_MAX_LANES / KH;
+    int rmax_one = QD_ROW_FLOATS / GD;
+    if (rmax_one > QD_MAX_ROWS) rmax_one = QD_MAX_ROWS;
+    if (rmax_all > QD_MAX_ROWS) rmax_all = QD_MAX_ROWS;
+    int active = 0;
+    for (int s = 0; s < a->num_seqs; ++s) active += a->qsl == NULL || a->qsl[s + 1] > a->qsl[s];
+    int n = 0;
+    if (active == 0) return 0;
+    const int all_heads = rmax_all >= 1 && active >= want;
+    const int rmax = all_heads ? rmax_all : rmax_one;
+    /* one head per task: cut rows into as many groups as it takes to have want tasks */
+    const int split = all_heads ? 1 : (want + active * KH - 1) / (active * KH);
+    for (int s = 0; s < a->num_seqs; ++s) {
+        const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - a->qsl[s];
+        if (q_len <= 0) continue;
+        int parts = (q_len + rmax - 1) / rmax;
+        if (parts < split) parts = split > q_len ? q_len : split;
+        if (all_heads)
+            add_tasks(a, s, parts, 0, KH, tasks, &n);
+        else
+            for (int h = 0; h < KH; ++h) add_tasks(a, s, parts, h, h + 1, tasks, &n);
+    }
+    qsort(tasks, (size_t)n, sizeof(Task), by_cost_desc);
+    return n;
+}
+
+/* Every task of a prepared call, on nthreads threads (<= 0: OpenMP's default) when the work
+ * is large enough. Returns 0, or a task's negative code (bad block id, seq_len / q_len, no
+ * memory); on an error the output is unspecified. */
 static int run_tasks(const Args* a, int num_tokens, long long total, int nthreads) {
-    const int tasks = num_tokens * a->kv_heads;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
-    if (tasks < QD_PAR_TASKS || total <= QD_PAR_CTX) nthreads = 1;
-    if (nthreads > tasks) nthreads = tasks;
+    if (total <= QD_PAR_CTX) nthreads = 1;
+    Task* tasks = malloc((size_t)(num_tokens > 0 ? num_tokens : 1) * a->kv_heads * sizeof(Task));
+    if (tasks == NULL) return QD_ENOMEM;
+    const int n = make_tasks(a, nthreads, tasks);
+    if (n < QD_PAR_TASKS) nthreads = 1;
+    if (nthreads > n) nthreads = n;
     int err = QD_OK;
     if (nthreads <= 1) {
-        for (int t = 0; t < tasks && err == QD_OK; ++t)
-            err = attend_one(a, t / a->kv_heads, t % a->kv_heads);
-        return err;
-    }
+        for (int t = 0; t < n && err == QD_OK; ++t) err = attend_task(a, &tasks[t]);
+    } else {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int t = 0; t < tasks; ++t) {
-        const int rc = attend_one(a, t / a->kv_heads, t % a->kv_heads);
-        if (rc != QD_OK) {
+        for (int t = 0; t < n; ++t) {
+            const int rc = attend_task(a, &tasks[t]);
+            if (rc != QD_OK) {
 #pragma omp atomic write
-            err = rc;
+                err = rc;
+            }
         }
     }
+    free(tasks);
     return err;
 }
 

@@ -2,7 +2,10 @@
 
 ``cpu_attention.c`` walks each sequence's block table directly (no gather of K/V), handles
 all query heads of a kv-head group together (GQA: each K/V row is read once per group), and
-uses an online softmax in fp32 over chunks of positions. It is built with gcc on first use
+uses an online softmax in fp32 over chunks of positions. A sequence's query rows (draft rows
+being verified, a prefill chunk) share each chunk of K/V read from the cache: at long
+contexts the kernel is memory-bound, so the extra rows cost little more than their
+arithmetic. It is built with gcc on first use
 into ``$QUICKDRAFT_CACHE/kernels`` (default ``~/.cache/quickdraft/kernels``), keyed by a hash
 of the source and flags, and loaded with ctypes. Without gcc, AVX2/FMA or on a failed build,
 :func:`available` is False and the entry points return None: the caller
@@ -60,9 +63,11 @@ _CPU_FLAGS = frozenset({"avx2", "fma"})
 _BF16 = torch.bfloat16
 _I32 = torch.int32
 _I64 = torch.int64
-# The C side takes at most this many (query heads per kv head) * head_dim, 64 heads per group.
+# The C side takes at most this many (query heads per kv head) * head_dim, 64 heads per group,
+# and head_dim <= 256.
 _MAX_GD = 8192
 _MAX_GROUP = 64
+_MAX_DIM = 256
 
 _vp = ctypes.c_void_p
 _int = ctypes.c_int
@@ -146,7 +151,7 @@ def _run(
     num_tokens, heads, dim = query.shape
     _, num_blocks, block_size, kv_heads, kv_dim = kv_cache.shape
     num_seqs, max_blocks = block_tables.shape
-    if (kv_dim != dim or dim % 8 or kv_heads == 0 or heads % kv_heads
+    if (kv_dim != dim or dim % 8 or dim > _MAX_DIM or kv_heads == 0 or heads % kv_heads
             or heads // kv_heads > _MAX_GROUP or heads // kv_heads * dim > _MAX_GD
             or seq_lens.shape != (num_seqs,) or num_seqs == 0 or num_tokens == 0
             or max_blocks == 0 or num_blocks == 0):
@@ -234,7 +239,7 @@ def write_kv_and_attend(
     _, num_blocks, block_size, kv_h, dim = kv_cache.shape
     num_seqs, max_blocks = block_tables.shape
     if (kv_h != kv_heads or qkv.shape[1] != (heads + 2 * kv_heads) * dim or dim % 8
-            or heads % kv_heads or heads // kv_heads > _MAX_GROUP
+            or dim > _MAX_DIM or heads % kv_heads or heads // kv_heads > _MAX_GROUP
             or heads // kv_heads * dim > _MAX_GD or num_tokens == 0 or num_seqs == 0
             or slot_mapping.shape != (num_tokens,) or seq_lens.shape != (num_seqs,)
             or query_start_loc.shape != (num_seqs + 1,)):

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define QD_TARGET __attribute__((target("avx2,fma")))
 #define QD_INLINE static inline __attribute__((always_inline)) QD_TARGET
 
@@ -35,21 +37,6 @@
 
 /* ------------------------------------------------------------------------------------------ */
 /* scalar helpers */
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* f rounded to the nearest bf16, as an fp32 value. */
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }

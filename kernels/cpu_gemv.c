@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define QD_TARGET __attribute__((target("avx2,fma")))
 #define QD_INLINE static inline __attribute__((always_inline)) QD_TARGET
 
@@ -34,21 +36,6 @@
 #define QD_MAX_MB 8
 /* Below this many weight bytes a single thread does the whole product. */
 #define QD_SERIAL_BYTES (64 * 1024)
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 QD_INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -32,27 +32,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define QD_MAX_ROWS 16       /* rows of x per pass over the weights */
 #define QD_GROUPS_PER_TASK 4  /* groups of 8 output columns a thread takes at a time */
 #define QD_SERIAL_BYTES (48 * 1024)
 
 #define QD_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define QD_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* Round rows x rows of x (bf16 [rows, k]) to int8 blocks: xq [rows, k], sx and sumx
  * [rows, k / 32]. Scalar and elementwise, so identical on every CPU (rows split between

@@ -231,7 +231,7 @@ def _with_threads(threads: int, fn: Callable[..., torch.Tensor], *args: object) 
 @pytest.mark.parametrize("ctx", [5, 33, 300, 517])
 @pytest.mark.parametrize("others", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5),
-                                                           (4, 4, 64, 1)])
+                                                           (4, 4, 64, 1), (6, 2, 96, 7)])
 def test_verify_is_bit_identical_to_sequential_decode(ctx: int, others: bool, heads: int,
                                                       kv_heads: int, dim: int,
                                                       block_size: int) -> None:
@@ -269,6 +269,23 @@ def test_verify_is_bit_identical_to_sequential_decode(ctx: int, others: bool, he
 
 
 @needs_kernel
+@pytest.mark.parametrize("decodes", [0, 4])
+def test_long_query_chunk_is_computed_row_by_row(decodes: int) -> None:
+    """A 40-row chunk (a prefill chunk, or a sequence among 4 others so that the kernel's
+    tasks take all kv heads and cut its rows into several groups) gives each row exactly the
+    bits of that row decoded alone, with 1 or 2 threads."""
+    q_lens, lens = [40] + [1] * decodes, [300] + [90] * decodes
+    q, kv, bt, sl, qsl, _ = _ragged_case(q_lens, lens, 16, 9, 3, 64, seed=11 + decodes)
+    for threads in (1, 2):
+        ragged = _with_threads(threads, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.125)
+        for i in range(40):
+            one_sl = torch.tensor([300 - 40 + 1 + i], dtype=torch.int32)
+            dec = cpu_attention.decode_attention(q[i:i + 1].clone(), kv, bt[:1].clone(), one_sl,
+                                                 0.125)
+            assert dec is not None and torch.equal(ragged[i], dec[0]), (threads, i)
+
+
+@needs_kernel
 def test_ragged_threads_do_not_change_bits() -> None:
     q, kv, bt, sl, qsl, _ = _ragged_case([1, 5, 3, 1, 16], [300, 517, 40, 900, 600], 16, 9, 3,
                                          64, seed=4)
@@ -278,11 +295,11 @@ def test_ragged_threads_do_not_change_bits() -> None:
 
 
 @pytest.mark.parametrize("variant", ["float32", "strided_query", "int64_qsl", "dim_12",
-                                     "strided_qsl"])
+                                     "dim_264", "strided_qsl"])
 def test_ragged_declines_inputs_it_does_not_take(variant: str) -> None:
     """Inputs the kernel does not take: None, nothing computed (the torch backend's
     fallback is tested above and in test_torch_attention)."""
-    dim = 12 if variant == "dim_12" else 64
+    dim = {"dim_12": 12, "dim_264": 264}.get(variant, 64)
     q, kv, bt, sl, qsl, _ = _ragged_case([2, 1, 4], [4, 20, 9], 4, 4, 2, dim, seed=5)
     if variant == "float32":
         q, kv = q.float(), kv.float()

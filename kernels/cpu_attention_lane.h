@@ -1,0 +1,184 @@
+/* One (query row, kv head) lane of cpu_attention.c: its online softmax over a chunk of K/V
+ * positions, in fp32 with AVX2 + FMA. Included once, by cpu_attention.c (kernels/cbuild.py
+ * expands it into the one source it builds). */
+#ifndef QD_CPU_ATTENTION_LANE_H
+#define QD_CPU_ATTENTION_LANE_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define QD_TARGET __attribute__((target("avx2,fma")))
+#define QD_INLINE static inline __attribute__((always_inline)) QD_TARGET
+
+#define QD_CHUNK 32          /* positions per online-softmax step (multiple of 8) */
+
+QD_INLINE __m256 load_bf16(const uint16_t* p) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+QD_INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Lane j of the result = horizontal sum of a[j]. */
+QD_INLINE __m256 hsum8(const __m256* a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]);
+    const __m256 t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]);
+    const __m256 t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1); /* a0 a1 a2 a3 (lo) | a0 a1 a2 a3 (hi) */
+    const __m256 u1 = _mm256_hadd_ps(t2, t3); /* a4 a5 a6 a7 (lo) | ... (hi) */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* exp(x) for x <= 0 (clamped below so that 2^n stays normal). */
+QD_INLINE __m256 exp_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i n = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+/* Converts the n K and V rows of a chunk to fp32: kf, vf [n][D] (exact: bf16 -> fp32). */
+QD_INLINE void load_chunk(const uint16_t* const* krow, const uint16_t* const* vrow, int n,
+                          int D, float* kf, float* vf) {
+    for (int j = 0; j < n; ++j)
+        for (int dd = 0; dd < D; dd += 8) {
+            _mm256_store_ps(kf + (size_t)j * D + dd, load_bf16(krow[j] + dd));
+            _mm256_store_ps(vf + (size_t)j * D + dd, load_bf16(vrow[j] + dd));
+        }
+}
+
+/* One row's online-softmax step over a chunk of n converted positions, for its G heads.
+ * qs [G][D] (q pre-scaled), acc [G][D], m, l [G] are the row's running state; sc is
+ * [G][QD_CHUNK] scratch. The arithmetic depends only on the row's state and the chunk. */
+static QD_TARGET void row_chunk(const float* qs, float* acc, float* m, float* l, float* sc,
+                                const float* kf, const float* vf, int n, int G, int D) {
+    /* scores sc[g][j] = (scale q_g) . k_j */
+    for (int g = 0; g < G; ++g) {
+        const float* qg = qs + (size_t)g * D;
+        float* sg = sc + g * QD_CHUNK;
+        int j = 0;
+        /* 8 positions at a time, q held in registers over 64-dim slabs: lane x of part[t]
+         * sums q[x + 8i] k_t[x + 8i] over i in order, as the lone positions below do */
+        for (; j + 8 <= n; j += 8) {
+            const float* kj = kf + (size_t)j * D;
+            __m256 part[8];
+            for (int t = 0; t < 8; ++t) part[t] = _mm256_setzero_ps();
+            int dd = 0;
+            for (; dd + 64 <= D; dd += 64) {
+                const __m256 q0 = _mm256_load_ps(qg + dd), q1 = _mm256_load_ps(qg + dd + 8);
+                const __m256 q2 = _mm256_load_ps(qg + dd + 16), q3 = _mm256_load_ps(qg + dd + 24);
+                const __m256 q4 = _mm256_load_ps(qg + dd + 32), q5 = _mm256_load_ps(qg + dd + 40);
+                const __m256 q6 = _mm256_load_ps(qg + dd + 48), q7 = _mm256_load_ps(qg + dd + 56);
+                for (int t = 0; t < 8; ++t) {
+                    const float* kr = kj + (size_t)t * D + dd;
+                    __m256 x = part[t];
+                    x = _mm256_fmadd_ps(q0, _mm256_load_ps(kr), x);
+                    x = _mm256_fmadd_ps(q1, _mm256_load_ps(kr + 8), x);
+                    x = _mm256_fmadd_ps(q2, _mm256_load_ps(kr + 16), x);
+                    x = _mm256_fmadd_ps(q3, _mm256_load_ps(kr + 24), x);
+                    x = _mm256_fmadd_ps(q4, _mm256_load_ps(kr + 32), x);
+                    x = _mm256_fmadd_ps(q5, _mm256_load_ps(kr + 40), x);
+                    x = _mm256_fmadd_ps(q6, _mm256_load_ps(kr + 48), x);
+                    x = _mm256_fmadd_ps(q7, _mm256_load_ps(kr + 56), x);
+                    part[t] = x;
+                }
+            }
+            for (; dd < D; dd += 8) {
+                const __m256 qv = _mm256_load_ps(qg + dd);
+                for (int t = 0; t < 8; ++t)
+                    part[t] = _mm256_fmadd_ps(qv, _mm256_load_ps(kj + (size_t)t * D + dd), part[t]);
+            }
+            _mm256_store_ps(sg + j, hsum8(part));
+        }
+        for (; j < n; ++j) {
+            const float* kr = kf + (size_t)j * D;
+            __m256 s0 = _mm256_setzero_ps();
+            for (int dd = 0; dd < D; dd += 8)
+                s0 = _mm256_fmadd_ps(_mm256_load_ps(qg + dd), _mm256_load_ps(kr + dd), s0);
+            sg[j] = hsum(s0);
+        }
+    }
+    /* online softmax: new max, rescale, weights */
+    for (int g = 0; g < G; ++g) {
+        float* sg = sc + g * QD_CHUNK;
+        float cmax = sg[0];
+        for (int j = 1; j < n; ++j) cmax = sg[j] > cmax ? sg[j] : cmax;
+        const float mnew = cmax > m[g] ? cmax : m[g];
+        if (mnew > m[g]) {
+            const float alpha = expf(m[g] - mnew); /* 0 on the first chunk */
+            l[g] *= alpha;
+            const __m256 va = _mm256_set1_ps(alpha);
+            float* ag = acc + (size_t)g * D;
+            for (int dd = 0; dd < D; dd += 8)
+                _mm256_store_ps(ag + dd, _mm256_mul_ps(_mm256_load_ps(ag + dd), va));
+            m[g] = mnew;
+        }
+        const __m256 vm = _mm256_set1_ps(mnew);
+        __m256 vsum = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(sg + j), vm));
+            _mm256_store_ps(sg + j, w);
+            vsum = _mm256_add_ps(vsum, w);
+        }
+        if (j < n) {
+            float tmp[8] __attribute__((aligned(32)));
+            for (int t = 0; t < 8; ++t) tmp[t] = j + t < n ? sg[j + t] : mnew;
+            __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(tmp), vm));
+            _mm256_store_ps(tmp, w);
+            for (int t = 0; j + t < n; ++t) { sg[j + t] = tmp[t]; l[g] += tmp[t]; }
+        }
+        l[g] += hsum(vsum);
+    }
+    /* acc[g] += sum_j w[g][j] * v_j (the accumulator stays in registers over the chunk) */
+    for (int g = 0; g < G; ++g) {
+        const float* wg = sc + g * QD_CHUNK;
+        float* ag = acc + (size_t)g * D;
+        int dd = 0;
+        for (; dd + 32 <= D; dd += 32) {
+            __m256 a0 = _mm256_load_ps(ag + dd), a1 = _mm256_load_ps(ag + dd + 8);
+            __m256 a2 = _mm256_load_ps(ag + dd + 16), a3 = _mm256_load_ps(ag + dd + 24);
+            for (int j = 0; j < n; ++j) {
+                const __m256 w = _mm256_broadcast_ss(wg + j);
+                const float* vr = vf + (size_t)j * D + dd;
+                a0 = _mm256_fmadd_ps(w, _mm256_load_ps(vr), a0);
+                a1 = _mm256_fmadd_ps(w, _mm256_load_ps(vr + 8), a1);
+                a2 = _mm256_fmadd_ps(w, _mm256_load_ps(vr + 16), a2);
+                a3 = _mm256_fmadd_ps(w, _mm256_load_ps(vr + 24), a3);
+            }
+            _mm256_store_ps(ag + dd, a0);
+            _mm256_store_ps(ag + dd + 8, a1);
+            _mm256_store_ps(ag + dd + 16, a2);
+            _mm256_store_ps(ag + dd + 24, a3);
+        }
+        for (; dd < D; dd += 8) {
+            __m256 a0 = _mm256_load_ps(ag + dd);
+            for (int j = 0; j < n; ++j)
+                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(wg + j),
+                                     _mm256_load_ps(vf + (size_t)j * D + dd), a0);
+            _mm256_store_ps(ag + dd, a0);
+        }
+    }
+}
+
+#endif
