@@ -122,6 +122,9 @@ class SpeculationPolicy:
     min_alpha: float = 0.05
     probe_interval: int = 16
     probe_below_alpha: float = 0.3  # probe only requests refused for low acceptance
+    # ... and only in a step where a draft accepted this often would pay (a probe in a
+    # saturated batch costs every request the first draft row's time)
+    probe_alpha: float = 0.5
     draft_cost: StepCost | None = None
     # Background tokens count this much in the batch's rate: when drafting stops paying for
     # everyone (a saturated batch), background requests lose their drafts first.
@@ -130,7 +133,8 @@ class SpeculationPolicy:
     def allocate(self, alphas: Sequence[float], available: Sequence[int],
                  num_plain_tokens: int, uses_draft: Sequence[bool] | None = None,
                  weights: Sequence[float] | None = None,
-                 gains: Sequence[Sequence[float] | None] | None = None) -> list[int]:
+                 gains: Sequence[Sequence[float] | None] | None = None,
+                 other_tokens: float = 0.0) -> list[int]:
         """Draft counts per request. ``available[i]``: drafts request i could verify (proposer
         output, already capped); ``num_plain_tokens``: the step's tokens without drafts;
         ``uses_draft[i]``: request i's drafts come from the draft model, whose cost is one
@@ -138,10 +142,13 @@ class SpeculationPolicy:
         ``weights[i]``: what request i's tokens are worth (1 interactive, less background);
         ``gains[i]`` (model-free drafts only; None: a chain, ``alpha^j``): the expected
         accepted tokens each further draft adds, non-increasing — a token tree's nodes in
-        best-first order, each the probability that its whole path is accepted."""
+        best-first order, each the probability that its whole path is accepted;
+        ``other_tokens``: what the step's other requests emit (weighted), e.g. decoding
+        requests with nothing to draft. They count in the step's rate: leaving them out
+        would make a draft look worth more, the fewer requests have one."""
         uses_draft = uses_draft or [False] * len(alphas)
         w = weights or [1.0] * len(alphas)
-        base = float(sum(w))
+        base = float(sum(w)) + other_tokens
         model_ids = sorted((i for i, d in enumerate(uses_draft)
                             if d and available[i] > 0 and alphas[i] > self.min_alpha),
                            key=lambda i: -alphas[i])
@@ -162,6 +169,12 @@ class SpeculationPolicy:
             if plan.rate(self.cost) > best.rate(self.cost):
                 best = plan
         return best.ks
+
+    def probe_pays(self, num_tokens: int, tokens: float) -> bool:
+        """Whether one more draft, accepted with probability ``probe_alpha``, raises the rate
+        of a step of ``num_tokens`` query tokens that emits ``tokens`` (weighted)."""
+        n = max(num_tokens, 1)
+        return (tokens + self.probe_alpha) / self.cost(n + 1) > tokens / self.cost(n)
 
     def _add_free_drafts(self, plan: _Plan, gains: Sequence[Sequence[float]],
                          available: Sequence[int], uses_draft: Sequence[bool],

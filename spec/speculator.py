@@ -299,6 +299,10 @@ class Speculator:
         finally:
             self.stats.proposer_seconds += time.perf_counter() - start
 
+    def _token_weight(self, request: Request) -> float:
+        """What one of ``request``'s tokens is worth in the step's rate (background less)."""
+        return 1.0 if request.priority <= 0 else self.policy.background_weight
+
     def _plan(self, requests: list[Request], rooms: list[int], num_plain_tokens: int,
               budget: int) -> None:
         candidates: list[_Candidate] = []
@@ -318,24 +322,32 @@ class Speculator:
                 candidates.append(candidate)
         if not candidates:
             return
+        weight = self._token_weight
+        drafting = {id(c.request) for c in candidates}
         ks = self.policy.allocate([c.tracker.alpha for c in candidates],
                                   [c.available for c in candidates], num_plain_tokens,
                                   [c.tree is None for c in candidates],
-                                  [1.0 if c.request.priority <= 0 else
-                                   self.policy.background_weight for c in candidates],
-                                  [c.gains for c in candidates])
+                                  [weight(c.request) for c in candidates],
+                                  [c.gains for c in candidates],
+                                  other_tokens=sum(weight(r) for r in requests
+                                                   if id(r) not in drafting))
         # Tree verification takes one-hot drafts only: a step where a sampled request
         # verifies draft-model (or head) distributions verifies chains (each tree's best
         # path; the head drafts a chain).
         chains_only = any(c.tree is None and not c.request.sampling_params.greedy
                           for c, k in zip(candidates, ks, strict=True) if k)
         self._chains_only = chains_only
+        num_tokens = num_plain_tokens + sum(ks)
+        tokens = sum(weight(r) for r in requests)
         for c, k in zip(candidates, ks, strict=True):
             c.tracker.steps_since_probe += 1
             if k == 0 and c.tracker.alpha <= self.policy.probe_below_alpha \
-                    and c.tracker.steps_since_probe >= self.policy.probe_interval:
+                    and c.tracker.steps_since_probe >= self.policy.probe_interval \
+                    and self.policy.probe_pays(num_tokens, tokens):
                 k = 1  # re-test a request whose acceptance had collapsed (not one that
-                # was refused because drafting costs too much at this batch size)
+                # was refused because drafting costs too much at this batch size), in a
+                # step where a fair draft would pay
+                num_tokens += 1
             k = min(k, budget)
             if not k:
                 continue

@@ -56,6 +56,25 @@ def test_marginal_gain_prefers_the_better_request():
     assert ks[0] >= 1 and ks[0] >= ks[1]
 
 
+def test_requests_without_drafts_count_in_the_steps_rate():
+    """8 requests decode and 2 have something to draft: the step emits 8 tokens without
+    drafts, so a draft must pay against all 8, not against the 2 that draft."""
+    cost = StepCost((1, 8, 9, 1024), (1.0, 1.0, 1.2, 204.0))  # +20% a token past 8
+    policy = SpeculationPolicy(cost, max_k=4)
+    assert sum(policy.allocate([0.6, 0.6], [4, 4], num_plain_tokens=8)) > 0  # 2 tokens alone
+    assert policy.allocate([0.6, 0.6], [4, 4], num_plain_tokens=8, other_tokens=6.0) == [0, 0]
+    assert sum(policy.allocate([0.95, 0.95], [4, 4], num_plain_tokens=8,
+                               other_tokens=0.5)) > 0  # 6 background ones weigh less
+
+
+def test_a_probe_pays_only_where_a_fair_draft_would():
+    cost = StepCost((1, 8, 9, 1024), (1.0, 1.0, 1.2, 204.0))  # flat to 8, then +20% a token
+    policy = SpeculationPolicy(cost, probe_alpha=0.5)
+    assert policy.probe_pays(num_tokens=2, tokens=2.0)  # a free slot
+    assert not policy.probe_pays(num_tokens=8, tokens=8.0)  # 8.5 / 1.2 < 8 / 1.0
+    assert policy.probe_pays(num_tokens=8, tokens=1.0)  # the rest are drafts, not tokens
+
+
 def test_tracker_counts_only_tested_drafts():
     t = AcceptanceTracker(alpha=0.5, decay=0.0)
     t.update(num_drafted=4, num_accepted=1)  # accepted 1, rejected the 2nd: 1 of 2 tested
