@@ -64,11 +64,7 @@ def _load() -> bool:
             path = cbuild.build("cpu_layer", _SOURCE.read_bytes(), cflags, gxx, lang="c++",
                                 ldflags=ldflags)
             torch.ops.load_library(str(path))
-            q4q8, vnni = cpu_q4q8.native_entry_point() or (0, 0)  # 0: int4 weights only
-            torch.ops.quickdraft_cpu.set_cpu_kernels(
-                fused["rms_norm"], fused["rope"], fused["silu_mul"],
-                attention["write_attend"], fused["vec_block"], fused["parallel_rows"], q4q8,
-                vnni)
+            _hand_over(attention["write_attend"])
             cbuild.record("cpu_layer", None)
             return True
     except subprocess.CalledProcessError as e:
@@ -77,6 +73,27 @@ def _load() -> bool:
         problem = f"unavailable ({type(e).__name__}: {e})"
     cbuild.record("cpu_layer", problem)
     return False
+
+
+def _hand_over(write_attend: int) -> None:
+    """Give the op the C kernels' addresses (attention: ``write_attend``)."""
+    fused = cpu_fused.native_entry_points()
+    assert fused is not None
+    q4q8, vnni = cpu_q4q8.native_entry_point() or (0, 0)  # 0: int4 weights only
+    torch.ops.quickdraft_cpu.set_cpu_kernels(
+        fused["rms_norm"], fused["rope"], fused["silu_mul"], write_attend,
+        fused["vec_block"], fused["parallel_rows"], q4q8, vnni)
+
+
+def use_attention_kernel(write_attend: int | None) -> None:
+    """For A/B benchmarks (``benchmarks/attention_ab.py``): run the op's attention through
+    another build of ``qd_write_kv_attention_bf16`` (its address; the caller keeps that
+    library loaded), or through the built-in one again (None). Needs :func:`available`."""
+    if not available():
+        raise RuntimeError("the native decoder layer is not available")
+    builtin = cpu_attention.native_entry_points()
+    assert builtin is not None
+    _hand_over(builtin["write_attend"] if write_attend is None else write_attend)
 
 
 def available() -> bool:
