@@ -7,12 +7,22 @@ native attention (same bits as the Python layer), and a malformed one declines."
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
 from quickdraft.engine.models.llama import DecoderLayer, LlamaForCausalLM
-from quickdraft.kernels import cpu_gemv, cpu_int4, cpu_layer, cpu_q4q8, torch_attention
+from quickdraft.kernels import (
+    cbuild,
+    cpu_attention,
+    cpu_gemv,
+    cpu_int4,
+    cpu_layer,
+    cpu_q4q8,
+    torch_attention,
+)
 from quickdraft.kernels.attention_metadata import build_metadata
 
 pytestmark = pytest.mark.skipif(not (cpu_layer.available() and cpu_int4.available()),
@@ -110,6 +120,30 @@ def test_native_layers_equal_python_layers_bit_for_bit(qwen: bool, kernel: str) 
         assert torch.equal(g, w)
     for g, w in zip(got_caches, want_caches, strict=True):
         assert torch.equal(g, w)
+
+
+def test_another_attention_build_runs_in_the_layer_and_is_put_back(monkeypatch, tmp_path
+                                                                   ) -> None:
+    """use_attention_kernel (benchmarks/attention_ab.py's hook): the op runs whatever build of
+    the attention kernel it is given (here one that doubles every output), and None puts
+    the built-in one back."""
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path))
+    source = cbuild.read_source(cpu_attention._SOURCE)
+    doubled = source.replace(b"const float inv = 1.0f / l[", b"const float inv = 2.0f / l[")
+    assert doubled != source
+    other = ctypes.CDLL(str(cbuild.build("cpu_attention_ab", doubled, cpu_attention._CFLAGS,
+                                         "gcc")))
+    model = _model(False)
+    want, _ = _run(model, native=True)
+    try:
+        cpu_layer.use_attention_kernel(
+            ctypes.cast(other.qd_write_kv_attention_bf16, ctypes.c_void_p).value)
+        got, _ = _run(model, native=True)
+    finally:
+        cpu_layer.use_attention_kernel(None)
+    assert not any(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    again, _ = _run(model, native=True)
+    assert all(torch.equal(g, w) for g, w in zip(again, want, strict=True))
 
 
 @pytest.mark.parametrize("kernel", ["torch", "q8"])
