@@ -8,10 +8,11 @@ verify batch is memory-bound, rising once it is compute-bound.
 
 Each step, drafts are granted one at a time to the request with the largest marginal gain
 while ``(tokens + gain) / cost(N + 1) > tokens / cost(N)``, i.e. while speculation raises the
-batch's tokens per second. A request whose acceptance has collapsed therefore gets ``k = 0``
-(speculation off); it is probed again with one draft every ``probe_interval`` steps so that
-``alpha`` can recover. When the batch is large, the cost curve turns speculation down for
-everyone.
+batch's tokens per second (``tokens``: what every request in the step emits, drafting or
+not). A request whose acceptance has collapsed therefore gets ``k = 0`` (speculation off);
+it is probed again with one draft every ``probe_interval`` steps so that ``alpha`` can
+recover, in steps where a draft accepted half the time would pay. When the batch is large,
+the cost curve turns speculation down for everyone.
 """
 
 from __future__ import annotations
