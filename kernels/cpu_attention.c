@@ -301,12 +301,12 @@ static int by_cost_desc(const void* x, const void* y) {
 static int make_tasks(const Args* a, int nthreads, Task* tasks) {
     const int GD = a->heads / a->kv_heads * a->d, KH = a->kv_heads;
     const int want = nthreads > 1 ? 2 * nthreads : 1;
-    /* most rows per task with all heads, and with one head */
+    /* most rows per task with all heads (0: too many heads for one task), and with one */
     int rmax_all = QD_ROW_FLOATS / (GD * KH);
     if (rmax_all > QD_MAX_LANES / KH) rmax_all = QD_MAX_LANES / KH;
+    if (rmax_all > QD_MAX_ROWS) rmax_all = QD_MAX_ROWS;
     int rmax_one = QD_ROW_FLOATS / GD;
     if (rmax_one > QD_MAX_ROWS) rmax_one = QD_MAX_ROWS;
-    if (rmax_all > QD_MAX_ROWS) rmax_all = QD_MAX_ROWS;
     int active = 0;
     for (int s = 0; s < a->num_seqs; ++s) active += a->qsl == NULL || a->qsl[s + 1] > a->qsl[s];
     int n = 0;

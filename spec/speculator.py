@@ -322,15 +322,13 @@ class Speculator:
                 candidates.append(candidate)
         if not candidates:
             return
-        weight = self._token_weight
-        drafting = {id(c.request) for c in candidates}
+        weights = [self._token_weight(c.request) for c in candidates]
+        tokens = sum(self._token_weight(r) for r in requests)  # the step's, drafts aside
         ks = self.policy.allocate([c.tracker.alpha for c in candidates],
                                   [c.available for c in candidates], num_plain_tokens,
-                                  [c.tree is None for c in candidates],
-                                  [weight(c.request) for c in candidates],
+                                  [c.tree is None for c in candidates], weights,
                                   [c.gains for c in candidates],
-                                  other_tokens=sum(weight(r) for r in requests
-                                                   if id(r) not in drafting))
+                                  other_tokens=tokens - sum(weights))
         # Tree verification takes one-hot drafts only: a step where a sampled request
         # verifies draft-model (or head) distributions verifies chains (each tree's best
         # path; the head drafts a chain).
@@ -338,7 +336,6 @@ class Speculator:
                           for c, k in zip(candidates, ks, strict=True) if k)
         self._chains_only = chains_only
         num_tokens = num_plain_tokens + sum(ks)
-        tokens = sum(weight(r) for r in requests)
         for c, k in zip(candidates, ks, strict=True):
             c.tracker.steps_since_probe += 1
             if k == 0 and c.tracker.alpha <= self.policy.probe_below_alpha \
