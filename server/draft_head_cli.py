@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -50,6 +51,26 @@ def add_draft_head_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
     train.add_argument("--max-train-minutes", type=float, default=None,
                        help="stop training after this long (the result then depends on speed)")
     train.add_argument("--threads", type=int, default=None, help="CPU threads")
+    train.add_argument("--device", default="cpu",
+                       help="where data and training run: cpu (the served engine makes the "
+                            "data) or a torch device such as cuda (transformers' batched "
+                            "generate makes it, hundreds of answers at a time)")
+    train.add_argument("--data", default="auto", choices=("auto", "engine", "transformers"),
+                       help="who makes the data: the served engine (CPU) or transformers' "
+                            "batched generate on --device (auto: engine on the CPU)")
+    train.add_argument("--self-prompts", type=int, default=0,
+                       help="device runs: requests for the target to write user prompts "
+                            "itself (sampled; the usable ones are answered)")
+    train.add_argument("--follow-ups", type=int, default=0,
+                       help="device runs: second user turns on earlier conversations")
+    train.add_argument("--generate-batch", type=int, default=512,
+                       help="device runs: answers generated at once")
+    train.add_argument("--max-generate-minutes", type=float, default=None,
+                       help="device runs: start no new answers after this long")
+    train.add_argument("--checkpoint-every", type=int, default=25,
+                       help="optimiser steps between checkpoints")
+    train.add_argument("--max-seq-len", type=int, default=768,
+                       help="longest training sequence in tokens")
     train.set_defaults(func=run_train)
 
 
@@ -67,8 +88,25 @@ def run_train(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, draft_vocab_size=args.draft_vocab, epochs=args.epochs,
         batch_size=args.batch_size, ttt_steps=args.ttt_steps,
         soft_labels=not args.hard_labels, lr=args.lr, seed=args.seed,
-        max_train_minutes=args.max_train_minutes)
+        max_train_minutes=args.max_train_minutes, device=args.device, data=args.data,
+        num_self_prompts=args.self_prompts, num_follow_ups=args.follow_ups,
+        generate_batch=args.generate_batch, max_generate_minutes=args.max_generate_minutes,
+        max_seq_len=args.max_seq_len, checkpoint_every=args.checkpoint_every)
     report = run(config)
     print(json.dumps({"head": str(args.out), "eval": report["eval"],
                       "timings_s": report["timings_s"]}, indent=2))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m quickdraft.server.draft_head_cli train ...``: the same command without
+    the server's imports (for a training machine that has torch and transformers only)."""
+    parser = argparse.ArgumentParser(prog="quickdraft")
+    add_draft_head_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["draft-head", *(argv if argv is not None else sys.argv[1:])])
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

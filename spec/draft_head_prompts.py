@@ -111,3 +111,83 @@ def second_stage_prompts(answers: list[tuple[str, str]], num: int, seed: int) ->
         if len(out) >= num:
             break
     return out
+
+
+# Prompts the target writes itself (device runs): a request to write a user's message about
+# a training topic, sampled many times; :func:`clean_written_prompt` keeps the usable ones.
+SELF_PROMPT_REQUESTS = (
+    "Write one question that a curious person might ask an AI assistant about {topic}. "
+    "Reply with the question only.",
+    "Write a request that a student might send to a chatbot about {topic}. Reply with the "
+    "request only.",
+    "Write a task about {topic} that someone could ask an assistant to do, such as writing, "
+    "explaining, comparing or planning something. Reply with the task only.",
+    "Write a programming question related to {topic} that a developer might ask. Reply with "
+    "the question only.",
+    "Write a question asking for practical advice about {topic}. Reply with the question "
+    "only.",
+    "Write an instruction asking an assistant to write a story, a poem, a letter or a "
+    "speech about {topic}. Reply with the instruction only.",
+)
+
+# Second user turns (device runs): generic follow-ups, and edits of code the target wrote
+# (the agentic pattern: re-emitting or editing an earlier answer).
+FOLLOW_UPS = (
+    "Can you make that shorter?", "Explain that in more detail.", "Give me an example.",
+    "Can you put that in a bulleted list?", "Summarize your answer in one sentence.",
+    "Rewrite your answer for a ten-year-old.", "What else should I know?",
+    "Can you make it more formal?", "Translate your answer into French.", "Why is that?",
+    "Can you give me three more ideas?", "Rewrite it in a friendlier tone.",
+    "Thanks! Can you turn that into a short email to my team?",
+)
+CODE_FOLLOW_UPS = (
+    "Add comments to the code.", "Add type hints and docstrings to the code.",
+    "Rewrite the code with clearer variable names.", "Add error handling to the code.",
+    "Write a unit test for this code.", "Explain the code line by line.",
+)
+
+
+def self_prompt_requests(num: int, seed: int, eval_fraction: float = 0.1) -> list[str]:
+    """``num`` requests for the target to write a user prompt, over the training topics
+    (held-apart topics excluded) in a seeded order; requests repeat (they are sampled)."""
+    topics = [t for t in TOPICS if not topic_is_held_apart(t, eval_fraction)]
+    pairs = [(template, topic) for template in SELF_PROMPT_REQUESTS for topic in topics]
+    rng = random.Random(seed + 2)
+    out: list[str] = []
+    while len(out) < num:
+        rng.shuffle(pairs)
+        out += [template.format(topic=topic) for template, topic in pairs]
+    return out[:num]
+
+
+def clean_written_prompt(text: str) -> str | None:
+    """A target-written prompt, tidied (first paragraph, quotes and a "Question:"-style
+    label removed), or None when it is too short, too long or not a request."""
+    text = text.strip().split("\n\n")[0].strip()
+    for label in ("Question:", "Request:", "Task:", "Instruction:", "User:", "Prompt:"):
+        if text.lower().startswith(label.lower()):
+            text = text[len(label):].strip()
+    text = text.strip().strip('"“”\'').strip()
+    if not 12 <= len(text) <= 400 or sum(ch.isalpha() for ch in text) < 8:
+        return None
+    return text
+
+
+def follow_up_turns(answers: list[tuple[str, str]], num: int, seed: int,
+                    ) -> list[list[dict[str, str]]]:
+    """Up to ``num`` two-turn conversations (``[user, assistant, user]`` messages) that
+    continue first-stage ``(prompt, answer)`` pairs with a follow-up."""
+    rng = random.Random(seed + 3)
+    out: list[list[dict[str, str]]] = []
+    for prompt, answer in answers:
+        text = answer.strip()
+        if len(text) < 40:
+            continue
+        is_code = "def " in text or "class " in text
+        follow = rng.choice(CODE_FOLLOW_UPS if is_code and rng.random() < 0.7 else FOLLOW_UPS)
+        out.append([{"role": "user", "content": prompt},
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": follow}])
+        if len(out) >= num:
+            break
+    return out

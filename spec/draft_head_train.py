@@ -23,6 +23,7 @@ import json
 import math
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from quickdraft.spec.draft_head_data import (
 from quickdraft.spec.draft_head_prompts import first_stage_prompts, second_stage_prompts
 
 STEP_DECAY = 0.8  # weight of unroll step j: STEP_DECAY ** j
+FIT_AFTER_STEPS = 30  # steps timed before a time-bounded schedule is fitted
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,19 @@ class TrainConfig:
     eval_depth: int = 5
     checkpoint_every: int = 25
     max_train_minutes: float | None = None  # stop training early (then not deterministic)
+    device: str = "cpu"  # the torch device that makes the data and trains
+    # Who makes the data: "engine" (the served engine, CPU only), "transformers" (batched
+    # generate and capture on ``device``: spec/draft_head_hf.py), "auto": engine on the CPU.
+    data: str = "auto"
+    num_self_prompts: int = 0  # extra prompts the target writes itself (transformers data)
+    num_follow_ups: int = 0  # second user turns on earlier conversations (transformers)
+    generate_batch: int = 512  # conversations generated at once (transformers data)
+    max_generate_minutes: float | None = None  # stop starting new answers (transformers)
+
+    @property
+    def data_maker(self) -> str:
+        return self.data if self.data != "auto" else (
+            "engine" if self.device == "cpu" else "transformers")
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "concurrency", "draft_vocab_size",
@@ -76,6 +91,33 @@ class TrainConfig:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if not self.epochs > 0 or not self.lr > 0:
             raise ValueError("epochs and lr must be positive")
+        if self.data not in ("auto", "engine", "transformers"):
+            raise ValueError(f"data must be auto, engine or transformers, not {self.data!r}")
+        if self.data == "engine" and self.device != "cpu":
+            raise ValueError("the engine makes data on the CPU only: use data=transformers")
+        if self.data_maker == "engine" and (self.num_self_prompts or self.num_follow_ups):
+            raise ValueError("num_self_prompts and num_follow_ups need data=transformers")
+        if self.num_self_prompts < 0 or self.num_follow_ups < 0 or self.generate_batch < 1:
+            raise ValueError("num_self_prompts and num_follow_ups must be >= 0, "
+                             "generate_batch >= 1")
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """What training needs of the target model, in fp32 on the training device."""
+
+    embed: torch.Tensor  # [V, h] input embedding
+    lm_head: torch.Tensor  # [V, h]
+    norm: torch.Tensor  # [h] final norm weight
+    cos: torch.Tensor  # [max_positions, head_dim] RoPE, as the served model rounds it
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM, device: str | torch.device = "cpu") -> TargetParts:
+        def f32(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().float().to(device)
+        return cls(f32(model.embed_tokens), f32(model.lm_head.weight), f32(model.norm.weight),
+                   f32(model.rotary.cos), f32(model.rotary.sin))
 
 
 def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
@@ -85,6 +127,10 @@ def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
     from quickdraft.engine.config import EngineConfig
     from quickdraft.engine.llm_engine import LLMEngine
 
+    if config.data_maker == "transformers":
+        from quickdraft.spec.draft_head_hf import run_on_device
+
+        return run_on_device(config)
     started = time.perf_counter()
     work = config.work_dir
     work.mkdir(parents=True, exist_ok=True)
@@ -127,46 +173,64 @@ def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
 
     # 3. training
     t0 = time.perf_counter()
-    counts = token_counts(train_rows, model.shape.vocab_size)
-    draft_vocab = torch.argsort(counts, descending=True, stable=True)[
-        :head_config.draft_vocab_size].sort().values  # [V_d] target ids
-    coverage = float(counts[draft_vocab].sum() / max(int(counts.sum()), 1))
+    draft_vocab, coverage = choose_draft_vocab(train_rows, model.shape.vocab_size,
+                                               head_config.draft_vocab_size)
+    parts = TargetParts.of(model)
     train_data = list(load_conversations(train_shards))
-    head, steps_done, losses = train(head_config, model, draft_vocab, train_data, config,
+    head, steps_done, losses = train(head_config, parts, draft_vocab, train_data, config,
                                      work)
     timings["train_s"] = time.perf_counter() - t0
 
     # 4. evaluation, 5. files
     eval_data = list(load_conversations(eval_shards))
-    acceptance = evaluate(head, model, eval_data, config.eval_depth)
-    save_head(head, config.out_dir)
-    num_answer_tokens = sum(len(r["output_ids"]) for r in train_rows)
+    acceptance = evaluate(head, parts, eval_data, config.eval_depth)
+    return finish(config, head, str(model_dir), fingerprint, train_rows, len(eval_data),
+                  steps_done, losses, coverage, acceptance, timings, started,
+                  f"{platform.processor() or platform.machine()}, "
+                  f"{torch.get_num_threads()} threads")
+
+
+def choose_draft_vocab(rows: list[dict[str, Any]], vocab_size: int, size: int,
+                       ) -> tuple[torch.Tensor, float]:
+    """The ``size`` tokens most frequent in the rows' answers (sorted target ids ``[V_d]``)
+    and the share of answer tokens they cover."""
+    counts = token_counts(rows, vocab_size)
+    draft_vocab = torch.argsort(counts, descending=True, stable=True)[:size].sort().values
+    return draft_vocab, float(counts[draft_vocab].sum() / max(int(counts.sum()), 1))
+
+
+def finish(config: TrainConfig, head: DraftHead, target: str, fingerprint: str,
+           train_rows: list[dict[str, Any]], num_eval: int, steps_done: int,
+           losses: list[float], coverage: float, acceptance: dict[str, Any],
+           timings: dict[str, float], started: float, machine: str) -> dict[str, Any]:
+    """Save the head and write (and return) ``train_report.json``."""
+    save_head(head.cpu(), config.out_dir)
     report = {
-        "target": str(model_dir), "target_fingerprint": fingerprint,
+        "target": target, "target_fingerprint": fingerprint,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
-        "train_conversations": len(train_rows), "train_answer_tokens": num_answer_tokens,
+        "train_conversations": len(train_rows),
+        "train_answer_tokens": sum(len(r["output_ids"]) for r in train_rows),
         "train_tokens": sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in train_rows),
-        "eval_conversations": len(eval_data), "optimizer_steps": steps_done,
+        "eval_conversations": num_eval, "optimizer_steps": steps_done,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
         "draft_vocab_coverage": round(coverage, 4), "eval": acceptance,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
-        "total_s": round(time.perf_counter() - started, 1),
-        "machine": f"{platform.processor() or platform.machine()}, "
-                   f"{torch.get_num_threads()} threads",
+        "total_s": round(time.perf_counter() - started, 1), "machine": machine,
     }
     (config.out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def init_head(config: DraftHeadConfig, target: LlamaForCausalLM,
+def init_head(config: DraftHeadConfig, target: TargetParts,
               draft_vocab: torch.Tensor) -> DraftHead:
-    """A new head: random layer, ``lm_head`` rows and final norm from the target."""
-    head = DraftHead(config)
+    """A new head on the target's device: random layer, ``lm_head`` rows and final norm
+    from the target."""
+    head = DraftHead(config).to(target.embed.device)
     with torch.no_grad():
         head.draft_to_target.copy_(draft_vocab)
-        head.lm_head.weight.copy_(target.lm_head.weight[draft_vocab].float())
-        head.norm.copy_(target.norm.weight.float())
+        head.lm_head.weight.copy_(target.lm_head[draft_vocab.to(target.lm_head.device)])
+        head.norm.copy_(target.norm)
     return head
 
 
@@ -185,16 +249,16 @@ def make_batch(items: list[Conversation], embed: torch.Tensor, t2d: torch.Tensor
     loss mask [B, T])`` for positions ``t`` with input token ``tokens[t + 1]`` and label
     ``argmax[t + 1]``; losses on answer positions only."""
     t = min(max(len(c.tokens) - 1 for c in items), max_len)
-    b, width = len(items), items[0].features.shape[1]
-    features = torch.zeros(b, t, width)
-    embeds = torch.zeros(b, t, embed.shape[1])
-    labels = torch.full((b, t), -100, dtype=torch.int64)
-    mask = torch.zeros(b, t, dtype=torch.bool)
+    b, width, dev = len(items), items[0].features.shape[1], embed.device
+    features = torch.zeros(b, t, width, device=dev)
+    embeds = torch.zeros(b, t, embed.shape[1], device=dev)
+    labels = torch.full((b, t), -100, dtype=torch.int64, device=dev)
+    mask = torch.zeros(b, t, dtype=torch.bool, device=dev)
     for row, c in enumerate(items):
         n = min(len(c.tokens) - 1, t)
         features[row, :n] = c.features[:n].float()
-        embeds[row, :n] = embed[c.tokens[1:n + 1]]
-        labels[row, :n] = t2d[c.argmax[1:n + 1]]
+        embeds[row, :n] = embed[c.tokens[1:n + 1].to(dev)]
+        labels[row, :n] = t2d[c.argmax[1:n + 1].to(dev)]
         mask[row, max(c.prompt_len - 1, 0):n] = True
     labels[~mask] = -100
     return features, embeds, labels, mask
@@ -210,38 +274,52 @@ def soft_labels(items: list[Conversation], t2d: torch.Tensor, mask: torch.Tensor
         return None
     b, t = mask.shape
     k = items[0].top_ids.shape[1]  # type: ignore[union-attr]
-    ids = torch.zeros(b, t, k, dtype=torch.int64)
-    probs = torch.zeros(b, t, k)
+    ids = torch.zeros(b, t, k, dtype=torch.int64, device=mask.device)
+    probs = torch.zeros(b, t, k, device=mask.device)
     for row, c in enumerate(items):
         n = min(len(c.tokens) - 1, t)
-        draft = t2d[c.top_ids[1:n + 1]]  # type: ignore[index]
+        draft = t2d[c.top_ids[1:n + 1].to(t2d.device)]  # type: ignore[index]
         ids[row, :n] = draft.clamp(min=0)
-        probs[row, :n] = c.top_probs[1:n + 1].float() * (draft >= 0)  # type: ignore[index]
+        probs[row, :n] = (c.top_probs[1:n + 1].float().to(mask.device)  # type: ignore[index]
+                          * (draft >= 0))
     probs[~mask] = 0.0
     return ids, probs
 
 
-def train(head_config: DraftHeadConfig, target: LlamaForCausalLM, draft_vocab: torch.Tensor,
-          data: list[Conversation], config: TrainConfig, work: Path,
+def draft_ids(target_vocab_size: int, draft_vocab: torch.Tensor,
+              device: torch.device) -> torch.Tensor:
+    """``[V]`` target id -> draft id, -100 outside the draft vocabulary."""
+    t2d = torch.full((target_vocab_size,), -100, dtype=torch.int64, device=device)
+    t2d[draft_vocab.to(device)] = torch.arange(len(draft_vocab), device=device)
+    return t2d
+
+
+def train(head_config: DraftHeadConfig, target: TargetParts, draft_vocab: torch.Tensor,
+          data: list[Conversation], config: TrainConfig, work: Path, *,
+          fit_to_time: bool = False, log: Callable[[str], None] | None = None,
           ) -> tuple[DraftHead, int, list[float]]:
-    """Train (or resume) the head; returns it, the optimiser steps taken in all and the
-    mean loss of each tenth of this run's steps (first and last: did it learn)."""
+    """Train (or resume) the head on ``target``'s device; returns it, the optimiser steps
+    taken in all and the mean loss of each tenth of this run's steps (first and last: did
+    it learn). ``fit_to_time`` (with ``max_train_minutes``): after the first
+    ``FIT_AFTER_STEPS`` steps the schedule is shortened to the steps that fit in the time
+    left, so the learning rate still decays to zero (otherwise the clock cuts the cosine
+    short)."""
     torch.manual_seed(config.seed)
     head = init_head(head_config, target, draft_vocab)
-    embed = target.embed_tokens.detach().float()
-    t2d = torch.full((head_config.target_vocab_size,), -100, dtype=torch.int64)
-    t2d[draft_vocab] = torch.arange(len(draft_vocab))
-    cos, sin = target.rotary.cos.float(), target.rotary.sin.float()
+    embed, cos, sin = target.embed, target.cos, target.sin
+    t2d = draft_ids(head_config.target_vocab_size, draft_vocab, embed.device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0,
                                   betas=(0.9, 0.95))
     per_epoch = math.ceil(len(data) / config.batch_size)
     total = max(int(per_epoch * config.epochs), 1)
+    horizon = [total]  # the cosine's length (fit_to_time may shorten it)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(
-        (s + 1) / config.warmup_steps, 0.5 * (1 + math.cos(math.pi * min(s / total, 1.0)))))
+        (s + 1) / config.warmup_steps,
+        0.5 * (1 + math.cos(math.pi * min(s / horizon[0], 1.0)))))
     ckpt_path = work / "checkpoint.pt"
     step = 0
     if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location=embed.device)
         head.load_state_dict(ckpt["head"])
         optimizer.load_state_dict(ckpt["optimizer"])
         schedule.load_state_dict(ckpt["schedule"])
@@ -253,16 +331,26 @@ def train(head_config: DraftHeadConfig, target: LlamaForCausalLM, draft_vocab: t
     plan = plan[:total]
     deadline = (time.monotonic() + 60 * config.max_train_minutes
                 if config.max_train_minutes else math.inf)
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True,
+               disable=log is not None)
     history: list[float] = []
     head.train()
+    first_step, fit_start = step, time.monotonic()
     while step < total and time.monotonic() < deadline:
+        if fit_to_time and deadline < math.inf and step == first_step + FIT_AFTER_STEPS:
+            per_step = (time.monotonic() - fit_start) / FIT_AFTER_STEPS
+            fits = step + int(0.95 * (deadline - time.monotonic()) / per_step)
+            if fits < total:
+                total = horizon[0] = max(fits, step + 1)
+                if log:
+                    log(f"train: {per_step * 1000:.0f} ms a step; schedule fitted to "
+                        f"{total} steps")
         items = [data[i] for i in plan[step]]
         features, embeds, labels, mask = make_batch(items, embed, t2d, config.max_seq_len)
         soft = soft_labels(items, t2d, mask) if config.soft_labels else None
         t = features.shape[1]
         logits = head.unrolled_logits(features, embeds, cos[:t], sin[:t], config.ttt_steps)
-        loss = torch.zeros(())
+        loss = torch.zeros((), device=embed.device)
         accs = []
         for j, step_logits in enumerate(logits):
             lab = labels.clone()
@@ -288,6 +376,9 @@ def train(head_config: DraftHeadConfig, target: LlamaForCausalLM, draft_vocab: t
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{history[-1]:.3f}", acc="/".join(f"{a:.2f}" for a in accs))
+        if log and step % 50 == 0:
+            log(f"train: step {step}/{total} loss {history[-1]:.3f} "
+                f"acc {'/'.join(f'{a:.2f}' for a in accs)}")
         if step % config.checkpoint_every == 0 or step == total:
             tmp = ckpt_path.with_suffix(".tmp")
             torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
@@ -301,26 +392,25 @@ def train(head_config: DraftHeadConfig, target: LlamaForCausalLM, draft_vocab: t
 
 
 @torch.no_grad()
-def evaluate(head: DraftHead, target: LlamaForCausalLM, data: list[Conversation],
+def evaluate(head: DraftHead, target: TargetParts, data: list[Conversation],
              depth: int) -> dict[str, Any]:
     """Greedy chain acceptance on ``data``: at each answer position, the head's drafts
     ``1..depth`` are taken while each equals the target's argmax (teacher-forced unrolling
     equals real drafting on an accepted prefix). Returns mean accepted drafts, tokens per
     verification (accepted + 1) and the per-depth acceptance."""
-    embed = target.embed_tokens.detach().float()
-    t2d = torch.full((head.config.target_vocab_size,), -100, dtype=torch.int64)
-    t2d[head.draft_to_target] = torch.arange(head.config.draft_vocab_size)
-    cos, sin = target.rotary.cos.float(), target.rotary.sin.float()
+    embed, cos, sin = target.embed, target.cos, target.sin
+    t2d = draft_ids(head.config.target_vocab_size, head.draft_to_target, embed.device)
     accepted_total, positions = 0, 0
     reached = [0] * depth
     for c in data:
         features, embeds, labels, mask = make_batch([c], embed, t2d, 4096)
         t = features.shape[1]
         logits = head.unrolled_logits(features, embeds, cos[:t], sin[:t], depth)
-        hits = torch.stack([(lg.argmax(-1) == labels)[0] for lg in logits])  # [depth, T]
-        for v in mask[0].nonzero().flatten().tolist():
+        hits = torch.stack([(lg.argmax(-1) == labels)[0] for lg in logits]).cpu()  # [depth, T]
+        answer = mask[0].cpu()
+        for v in answer.nonzero().flatten().tolist():
             a = 0
-            while a < depth and v + a < t and mask[0, v + a] and bool(hits[a, v + a]):
+            while a < depth and v + a < t and answer[v + a] and bool(hits[a, v + a]):
                 reached[a] += 1
                 a += 1
             accepted_total += a
