@@ -33,7 +33,7 @@ from quickdraft.spec.draft_head_runner import DraftHeadRunner
 from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import SpeculationPolicy, StepCost, measure_step_cost
-from quickdraft.spec.speculator import Speculator
+from quickdraft.spec.speculator import HEAD_NODES_PER_DRAFT, Speculator
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -96,11 +96,20 @@ class LLMEngine:
         self.info = ModelInfo(str(model_dir), architecture, self.max_model_len,
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        policy = SpeculationPolicy(self._step_cost(), config.num_speculative_tokens,
-                                   draft_cost=self._draft_cost())
+        draft_cost, draft_fixed_cost = self._draft_cost()
+        policy = SpeculationPolicy(
+            self._step_cost(), config.num_speculative_tokens, draft_cost=draft_cost,
+            draft_fixed_cost=draft_fixed_cost,
+            rows_per_model_draft=HEAD_NODES_PER_DRAFT if self.head and not self.draft else 1)
         self.speculation = config.speculation
         if self.speculation == "auto":
-            self.speculation = "combined" if self.draft or self.head else "suffix"
+            # combined when the user asked for a draft model or a head directory; a head
+            # found on its own (shipped for this model) is there for requests that ask for
+            # "head" or "combined": on the 2-core CPUs combined measured no faster than
+            # suffix trees with it (docs/draft_head.md), so it is not the default
+            chosen = self.draft is not None or (
+                self.head is not None and config.draft_head not in (None, "none", "auto"))
+            self.speculation = "combined" if chosen else "suffix"
         self.speculator = Speculator(
             self.speculation, config.num_speculative_tokens, config.ngram_min,
             config.ngram_max, policy, self.kv, self.draft, self.max_model_len,
@@ -138,26 +147,35 @@ class LLMEngine:
         log.info("step cost by tokens: %s", dict(zip(cost.num_tokens, cost.seconds, strict=True)))
         return cost
 
-    def _draft_cost(self) -> StepCost | None:
-        """One draft-model forward by batch size (None when not measured: drafting is free);
-        for a draft head, its whole tree proposal divided by the drafts it stands for."""
+    def _draft_cost(self) -> tuple[StepCost | None, StepCost | None]:
+        """``(per draft, fixed)`` by batch size (None when not measured: drafting is free).
+        The draft model: one forward per draft, nothing fixed. A draft head: a proposal
+        for one draft (its catch-up forward and one round) is timed beside one for the
+        most drafts; the difference per extra draft is the per-draft cost, the rest is
+        fixed (a proposal of ``k`` drafts costs ``fixed + k * per_draft``)."""
         if not self.config.measure_step_cost:
-            return None
+            return None, None
         if self.head is not None and self.draft is None:
-            k = self.config.num_speculative_tokens
+            head, k = self.head, max(self.config.num_speculative_tokens, 2)
             sizes = [n for n in (1, 2, 4, 8, 16) if n <= self.config.max_num_seqs]
-            cost = measure_step_cost(lambda b: self.head.time_propose(b, 2 * k) / k
-                                     if self.head else 0.0, sizes)
-            log.info("draft head cost per draft by batch: %s",
-                     dict(zip(cost.num_tokens, cost.seconds, strict=True)))
-            return cost
+            one = measure_step_cost(lambda b: head.time_propose(b, 2), sizes)
+            most = measure_step_cost(lambda b: head.time_propose(b, 2 * k), sizes)
+            n = min(len(one.seconds), len(most.seconds))  # (each stops on its budget)
+            batches = one.num_tokens[:n]
+            per_draft = tuple(max((m - o) / (k - 1), 0.0)
+                              for o, m in zip(one.seconds[:n], most.seconds[:n], strict=True))
+            fixed = tuple(max(o - d, 0.0) for o, d in zip(one.seconds, per_draft, strict=False))
+            log.info("draft head cost by batch: per draft %s, fixed %s",
+                     dict(zip(batches, per_draft, strict=True)),
+                     dict(zip(batches, fixed, strict=True)))
+            return StepCost(batches, per_draft), StepCost(batches, fixed)
         if self.draft is None:
-            return None
+            return None, None
         sizes = [n for n in (1, 2, 4, 8, 9, 16, 17, 32) if n <= self.config.max_num_seqs]
         cost = measure_step_cost(self.draft.time_forward, sizes)
         log.info("draft step cost by batch: %s",
                  dict(zip(cost.num_tokens, cost.seconds, strict=True)))
-        return cost
+        return cost, None
 
     def _max_model_len(self, hf_config: Any) -> int:
         limit = hf_config.max_position_embeddings

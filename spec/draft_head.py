@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -184,6 +185,9 @@ class DraftHead(nn.Module):
         self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False, dtype=dtype)
         self.register_buffer("draft_to_target",
                              torch.arange(c.draft_vocab_size, dtype=torch.int64))
+        # the small ops (torch's; serving may hand the target's fused CPU kernels over)
+        self.rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms
+        self.silu_mul: Callable[[torch.Tensor], torch.Tensor] = torch_ops.silu_mul
 
     # ------------------------------------------------------------------ pieces
 
@@ -191,18 +195,18 @@ class DraftHead(nn.Module):
         """``[..., h]`` fused features (or the head's previous output) and token embeddings
         -> ``[..., 2h]`` normalised, as the qkv projection takes them."""
         eps = self.config.rms_norm_eps
-        return torch.cat((rms(embeds, self.input_norm, eps),
-                          rms(hidden, self.hidden_norm, eps)), dim=-1)
+        return torch.cat((self.rms_norm(embeds, self.input_norm, eps),
+                          self.rms_norm(hidden, self.hidden_norm, eps)), dim=-1)
 
     def finish_layer(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``attn [..., q]`` attention output, ``hidden [..., h]`` the layer's input stream
         -> the head's output ``o`` ``[..., h]``."""
         a = hidden + self.o(attn)
-        gate, up = self.gate_up(rms(a, self.post_norm, self.config.rms_norm_eps)).chunk(2, -1)
-        return a + self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(self.rms_norm(a, self.post_norm, self.config.rms_norm_eps))
+        return a + self.down(self.silu_mul(gate_up))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:  # [..., h] -> [..., V_d]
-        return self.lm_head(rms(out, self.norm, self.config.rms_norm_eps))
+        return self.lm_head(self.rms_norm(out, self.norm, self.config.rms_norm_eps))
 
     # ------------------------------------------------------------------ training form
 

@@ -42,7 +42,7 @@ from quickdraft.engine.models.llama import Linear, LlamaForCausalLM
 from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.engine.step_plan import StepPlan
-from quickdraft.kernels import cpu_int4, cpu_q4q8, torch_ops
+from quickdraft.kernels import cpu_int4, cpu_q4q8
 from quickdraft.spec.draft_head import DraftHead
 from quickdraft.spec.token_tree import TokenTree
 
@@ -116,6 +116,11 @@ class DraftHeadRunner:
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim ** -0.5
         self.kernel = self._use_target_kernels(target)
+        # the target's small ops (fused CPU kernels where it uses them): a head forward is
+        # ~40 small ops, so their per-call cost is most of a proposal's
+        self.head.rms_norm = target.ops.rms_norm
+        self.head.silu_mul = target.ops.silu_mul
+        self.rope = target.ops.rope
 
     def _use_target_kernels(self, target: LlamaForCausalLM) -> str:
         """Run the head's matrices the way the target runs its own (chosen by measurement at
@@ -164,8 +169,8 @@ class DraftHeadRunner:
         qkv = head.qkv(head.layer_input(hidden, emb))  # [R, q + 2kv]
         q, k, v = qkv.split([head.q_size, head.kv_size, head.kv_size], dim=-1)
         cos, sin = self.rotary.cos_sin(torch.tensor(positions, device=device))
-        q = torch_ops.rope_neox(q.reshape(-1, self.heads, self.head_dim), cos, sin)
-        k = torch_ops.rope_neox(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
+        q = self.rope(q.reshape(-1, self.heads, self.head_dim), cos, sin)
+        k = self.rope(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
         return q, k, v.reshape(-1, self.kv_heads, self.head_dim)
 
     def _forward(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,

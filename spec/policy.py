@@ -116,7 +116,9 @@ class AcceptanceTracker:
 @dataclass
 class SpeculationPolicy:
     """``cost``: the target's step time by query tokens; ``draft_cost``: one draft-model
-    forward by batch size (None: drafting is free, e.g. n-gram only)."""
+    forward by batch size (None: drafting is free, e.g. n-gram only); ``draft_fixed_cost``:
+    what drafting costs by batch size whatever the depth (a draft head's catch-up forward
+    over the newly verified positions; None: nothing)."""
 
     cost: StepCost = field(default_factory=StepCost.memory_bound)
     max_k: int = 4
@@ -130,14 +132,29 @@ class SpeculationPolicy:
     # Background tokens count this much in the batch's rate: when drafting stops paying for
     # everyone (a saturated batch), background requests lose their drafts first.
     background_weight: float = 0.25
+    draft_fixed_cost: StepCost | None = None
+    # target rows verified per draft granted to the draft model's proposals (a draft head
+    # drafts a tree of this many nodes per granted draft: each node is a verified row)
+    rows_per_model_draft: int = 1
 
     def allocate(self, alphas: Sequence[float], available: Sequence[int],
                  num_plain_tokens: int, uses_draft: Sequence[bool] | None = None,
                  weights: Sequence[float] | None = None,
                  gains: Sequence[Sequence[float] | None] | None = None,
                  other_tokens: float = 0.0) -> list[int]:
-        """Draft counts per request. ``available[i]``: drafts request i could verify (proposer
-        output, already capped); ``num_plain_tokens``: the step's tokens without drafts;
+        """Draft counts per request: :meth:`allocate_with_rate`'s."""
+        return self.allocate_with_rate(alphas, available, num_plain_tokens, uses_draft,
+                                       weights, gains, other_tokens)[0]
+
+    def allocate_with_rate(self, alphas: Sequence[float], available: Sequence[int],
+                           num_plain_tokens: int, uses_draft: Sequence[bool] | None = None,
+                           weights: Sequence[float] | None = None,
+                           gains: Sequence[Sequence[float] | None] | None = None,
+                           other_tokens: float = 0.0) -> tuple[list[int], float]:
+        """Draft counts per request, and the step's expected rate with them (weighted
+        tokens per second: what two alternative proposals are compared by).
+        ``available[i]``: drafts request i could verify (proposer output, already capped);
+        ``num_plain_tokens``: the step's tokens without drafts;
         ``uses_draft[i]``: request i's drafts come from the draft model, whose cost is one
         batched forward per draft position (``depth`` = the deepest such request);
         ``weights[i]``: what request i's tokens are worth (1 interactive, less background);
@@ -162,14 +179,16 @@ class SpeculationPolicy:
             plan = _Plan([0] * len(alphas), base, max(num_plain_tokens, 1), 0.0)
             for taken, i in enumerate(model_ids, start=1):
                 trial = plan.with_draft_model(i, min(depth, available[i], self.max_k),
-                                              alphas[i], depth, taken, self.draft_cost, w[i])
+                                              alphas[i], depth, taken, self.draft_cost, w[i],
+                                              self.draft_fixed_cost,
+                                              self.rows_per_model_draft)
                 if trial.rate(self.cost) <= plan.rate(self.cost):
                     break
                 plan = trial
             plan = self._add_free_drafts(plan, node_gains, available, uses_draft, w)
             if plan.rate(self.cost) > best.rate(self.cost):
                 best = plan
-        return best.ks
+        return best.ks, best.rate(self.cost)
 
     def probe_pays(self, num_tokens: int, tokens: float) -> bool:
         """Whether one more draft, accepted with probability ``probe_alpha``, raises the rate
@@ -217,10 +236,15 @@ class _Plan:
         return _Plan(ks, self.tokens + gain, self.n + 1, self.draft_seconds)
 
     def with_draft_model(self, i: int, k: int, alpha: float, depth: int, batch: int,
-                         draft_cost: StepCost | None, weight: float = 1.0) -> _Plan:
-        """Request ``i`` drafts ``k`` tokens with the model; ``batch`` requests now do."""
+                         draft_cost: StepCost | None, weight: float = 1.0,
+                         fixed_cost: StepCost | None = None, rows_per_draft: int = 1,
+                         ) -> _Plan:
+        """Request ``i`` drafts ``k`` tokens with the model (``rows_per_draft * k`` rows
+        verified); ``batch`` requests now do."""
         ks = list(self.ks)
         ks[i] = k
         gain = weight * sum(alpha ** j for j in range(1, k + 1))
         seconds = depth * draft_cost(batch) if draft_cost is not None else 0.0
-        return _Plan(ks, self.tokens + gain, self.n + k, seconds)
+        if fixed_cost is not None:
+            seconds += fixed_cost(batch)
+        return _Plan(ks, self.tokens + gain, self.n + rows_per_draft * k, seconds)

@@ -106,6 +106,9 @@ class _Candidate:
     available: int
     tracker: AcceptanceTracker
     room: int = 0  # most drafts the request may take this step (the scheduler's room)
+    # combined: the free proposal (suffix tree) to use instead when drafting with the head
+    # or draft model does not pay this step (the policy's rates decide)
+    fallback: _Candidate | None = None
 
     @property
     def gains(self) -> list[float] | None:
@@ -243,7 +246,10 @@ class Speculator:
         """``combined``: the proposal expected to accept the most drafts this step. The
         suffix tries' tree costs nothing to draft, so the draft head's (or draft model's)
         chain, priced at its pooled-then-per-request acceptance, is taken when the tries
-        match nothing or when it expects more than the tree's best ``k`` nodes.
+        match nothing or when it expects more than the tree's best ``k`` nodes; then the
+        tree rides along as its ``fallback``, which :meth:`_plan` takes instead when the
+        policy finds the step's rate higher with it (a head proposal costs a fraction of a
+        step; a matched suffix tree costs nothing).
 
         (This used to merge every model-free proposal, n-gram and suffix chains and a
         token-recycling tree, into one tree. On SmolLM2, C=1, four spec_bench categories on
@@ -256,7 +262,10 @@ class Speculator:
         if free is None or model is None:
             return free or model
         model_gain = expected_accepted(model.tracker.alpha, k)
-        return model if model_gain > sum(sorted(free.scores)[-k:]) else free
+        if model_gain <= sum(sorted(free.scores)[-k:]):
+            return free
+        model.fallback = free
+        return model
 
     def _pool(self, kind: str) -> AcceptanceTracker:
         """The pooled acceptance estimate of ``kind`` over all requests so far."""
@@ -310,25 +319,25 @@ class Speculator:
             request.clear_drafts()
             k = self._wants(request, room)
             if k and (candidate := self._candidate(request, k)) is not None:
-                if candidate.tree is not None:
-                    # a tree's nodes: within the room (its depth never exceeds its size)
-                    # and a request's own k; past max_k, since only a path is accepted
+                for c in (candidate, candidate.fallback):
+                    if c is None:
+                        continue
                     params = request.spec_params
-                    limit = params.k if params and params.k is not None else MAX_TREE_NODES
-                    candidate.available = min(candidate.available, room, limit)
-                params = request.spec_params
-                candidate.room = min(room, params.k) if params and params.k is not None \
-                    else room
+                    if c.tree is not None:
+                        # a tree's nodes: within the room (its depth never exceeds its size)
+                        # and a request's own k; past max_k, since only a path is accepted
+                        limit = params.k if params and params.k is not None \
+                            else MAX_TREE_NODES
+                        c.available = min(c.available, room, limit)
+                    c.room = min(room, params.k) if params and params.k is not None \
+                        else room
                 candidates.append(candidate)
         if not candidates:
             return
         weights = [self._token_weight(c.request) for c in candidates]
         tokens = sum(self._token_weight(r) for r in requests)  # the step's, drafts aside
-        ks = self.policy.allocate([c.tracker.alpha for c in candidates],
-                                  [c.available for c in candidates], num_plain_tokens,
-                                  [c.tree is None for c in candidates], weights,
-                                  [c.gains for c in candidates],
-                                  other_tokens=tokens - sum(weights))
+        ks, candidates = self._allocate(candidates, num_plain_tokens, weights,
+                                        tokens - sum(weights))
         # Tree verification takes one-hot drafts only: a step where a sampled request
         # verifies draft-model (or head) distributions verifies chains (each tree's best
         # path; the head drafts a chain).
@@ -368,6 +377,32 @@ class Speculator:
             c.request.spec_token_ids = list(tree.token_ids)
             c.request.spec_tree = None if tree.is_chain else tree
             state.in_flight_depth = tree.max_depth
+
+    def _allocate(self, candidates: list[_Candidate], num_plain_tokens: int,
+                  weights: list[float], other_tokens: float,
+                  ) -> tuple[list[int], list[_Candidate]]:
+        """The policy's draft counts for ``candidates``; where some carry a free
+        ``fallback`` (combined), also for the fallbacks in place of the refused ones and in
+        place of all of them, keeping whichever allocation gives the step the best rate."""
+        def rate(cands: list[_Candidate]) -> tuple[list[int], float]:
+            return self.policy.allocate_with_rate(
+                [c.tracker.alpha for c in cands], [c.available for c in cands],
+                num_plain_tokens, [c.tree is None for c in cands], weights,
+                [c.gains for c in cands], other_tokens=other_tokens)
+
+        ks, best = rate(candidates)
+        if not any(c.fallback is not None for c in candidates):
+            return ks, candidates
+        chosen = candidates
+
+        def swap(c: _Candidate, use: bool) -> _Candidate:
+            return c.fallback if use and c.fallback is not None else c
+        for alternative in ([swap(c, k == 0) for c, k in zip(candidates, ks, strict=True)],
+                            [swap(c, True) for c in candidates]):
+            alt_ks, alt_rate = rate(alternative)
+            if alt_rate > best:
+                ks, best, chosen = alt_ks, alt_rate, alternative
+        return ks, chosen
 
     def draft(self, requests: list[Request]) -> None:
         """The draft model (or head) drafts ``spec_state.model_k`` tokens for each of
