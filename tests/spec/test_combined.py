@@ -129,3 +129,21 @@ def test_head_features_are_kept_in_order_and_restart_after_a_gap():
     assert state.head_features_start == 20 and state.num_head_features == 1
     state.drop_features(21)
     assert state.head_features() is None and state.head_features_start == 21
+
+
+@pytest.mark.skipif(not suffix_tree.available(), reason="needs gcc")
+def test_a_model_chain_that_does_not_pay_falls_back_to_the_free_tree():
+    """combined keeps the suffix tree beside a better-expected model chain; when drafting
+    with the model costs more than it returns this step, the tree is verified instead of
+    nothing."""
+    from quickdraft.spec.policy import StepCost
+
+    spec, request = make()
+    spec._tracker(request, "draft").alpha = 0.99
+    picked = spec._candidate(request, 4)
+    assert picked is not None and picked.source == "draft" and picked.fallback is not None
+    spec.policy = SpeculationPolicy(draft_cost=StepCost((1, 16), (10.0, 10.0)))
+    spec.plan([request], [4], num_plain_tokens=1, budget=64)
+    assert request.spec_state.model_k == 0  # the model drafts nothing ...
+    assert request.spec_token_ids[:4] == [8, 9, 10, 11]  # ... the tree is verified
+    assert request.spec_state.in_flight_source.startswith("suffix")

@@ -113,3 +113,31 @@ def test_a_pooled_estimate_follows_every_request_and_seeds_new_ones():
     assert second.alpha == pytest.approx(0.8)
     second.update(num_drafted=2, num_accepted=0)
     assert pool.alpha == pytest.approx(0.4) and first.alpha == pytest.approx(0.72)
+
+
+def test_a_fixed_drafting_cost_must_be_earned_back():
+    """A draft head's catch-up costs the same whatever the depth: worth paying for a long
+    likely chain, not for one unlikely draft."""
+    cost = StepCost((1, 64), (1.0, 1.0))  # verification rows are free here
+    per_draft = StepCost((1, 16), (0.05, 0.05))
+    cheap = SpeculationPolicy(cost, max_k=4, draft_cost=per_draft)
+    fixed = SpeculationPolicy(cost, max_k=4, draft_cost=per_draft,
+                              draft_fixed_cost=StepCost((1, 16), (0.5, 0.5)))
+    assert cheap.allocate([0.3], [4], 1, uses_draft=[True]) != [0]
+    assert fixed.allocate([0.3], [4], 1, uses_draft=[True]) == [0]
+    assert fixed.allocate([0.95], [4], 1, uses_draft=[True]) == [4]
+    ks, rate = fixed.allocate_with_rate([0.95], [4], 1, uses_draft=[True])
+    gain = sum(0.95 ** j for j in range(1, 5))
+    assert ks == [4] and rate == pytest.approx((1 + gain) / (1.0 + 0.5 + 4 * 0.05))
+
+
+def test_a_tree_of_several_rows_per_draft_is_priced_by_its_rows():
+    """A head drafts ``rows_per_model_draft`` verified nodes per granted draft: on a steep
+    cost curve that buys fewer drafts than a chain would get."""
+    steep = StepCost((1, 2, 64), (1.0, 1.12, 8.56))  # each row +12 %
+    chain = SpeculationPolicy(steep, max_k=4, draft_cost=StepCost((1, 2), (0.0, 0.0)))
+    tree = SpeculationPolicy(steep, max_k=4, draft_cost=StepCost((1, 2), (0.0, 0.0)),
+                             rows_per_model_draft=2)
+    k_chain = chain.allocate([0.5], [4], 1, uses_draft=[True])[0]
+    k_tree = tree.allocate([0.5], [4], 1, uses_draft=[True])[0]
+    assert k_chain > k_tree
