@@ -150,16 +150,18 @@ class LLMEngine:
     def _draft_cost(self) -> tuple[StepCost | None, StepCost | None]:
         """``(per draft, fixed)`` by batch size (None when not measured: drafting is free).
         The draft model: one forward per draft, nothing fixed. A draft head: a proposal
-        for one draft (its catch-up forward and one round) is timed beside one for the
-        most drafts; the difference per extra draft is the per-draft cost, the rest is
-        fixed (a proposal of ``k`` drafts costs ``fixed + k * per_draft``)."""
+        for one draft (a tree of depth 1: its catch-up forward alone) is timed beside one
+        for the most drafts (depth ``k``: ``k - 1`` rounds more); the difference per extra
+        draft is the per-draft cost, the rest is fixed (``k`` drafts cost ``fixed + k *
+        per_draft``)."""
         if not self.config.measure_step_cost:
             return None, None
         if self.head is not None and self.draft is None:
             head, k = self.head, max(self.config.num_speculative_tokens, 2)
             sizes = [n for n in (1, 2, 4, 8, 16) if n <= self.config.max_num_seqs]
-            one = measure_step_cost(lambda b: head.time_propose(b, 2), sizes)
-            most = measure_step_cost(lambda b: head.time_propose(b, 2 * k), sizes)
+            one = measure_step_cost(lambda b: head.time_propose(b, 2, max_depth=1), sizes)
+            most = measure_step_cost(lambda b: head.time_propose(b, 2 * k, max_depth=k),
+                                     sizes)
             n = min(len(one.seconds), len(most.seconds))  # (each stops on its budget)
             batches = one.num_tokens[:n]
             per_draft = tuple(max((m - o) / (k - 1), 0.0)

@@ -87,6 +87,9 @@ class HeadInput:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     tree: bool = True  # False: a chain even for a greedy request
+    # deepest node of a greedy tree: the drafts the policy granted, priced as a chain of
+    # that depth (None: ROUNDS + 1). A tree of depth d costs the catch-up and d - 1 rounds.
+    max_depth: int | None = None
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,7 @@ class DraftHeadRunner:
         for search, lp in zip(roots, first, strict=True):
             search.expand(-1, lp, self)
         # 2. rounds: feed the best candidates (outside the paged cache), learn their children
-        rounds = max(ROUNDS if s.branching else s.inp.k - 1 for s in roots)
+        rounds = max(s.rounds for s in roots)
         for _ in range(rounds):
             active = [s for s in roots if s.take_round()]
             if not active:
@@ -289,15 +292,17 @@ class DraftHeadRunner:
         return token, q[0]
 
     @torch.inference_mode()
-    def time_propose(self, batch: int, k: int, context: int = 64) -> float:
-        """Seconds for one greedy propose of ``k`` nodes for ``batch`` requests after
-        ``context`` positions. Uses the first blocks: call only while no request runs."""
+    def time_propose(self, batch: int, k: int, context: int = 64,
+                     max_depth: int | None = None) -> float:
+        """Seconds for one greedy propose of ``k`` nodes at most ``max_depth`` deep for
+        ``batch`` requests after ``context`` positions. Uses the first blocks: call only
+        while no request runs."""
         per_seq = -(-(context + k + 2) // self.block_size)
         if per_seq > self.kv_cache.shape[1]:
             return float("nan")
         width = len(self.head.config.aux_layers) * self.head.config.hidden_size
         inp = HeadInput(torch.zeros(1, width), [0], context, k, tuple(range(per_seq)),
-                        SamplingParams(temperature=0.0), None)
+                        SamplingParams(temperature=0.0), None, max_depth=max_depth)
         synchronize(self.embed.device)
         start = time.perf_counter()
         self.propose([inp] * batch)
@@ -312,6 +317,10 @@ class _Search:
         self.inp = inp
         self.greedy = inp.sampling_params.greedy
         self.branching = self.greedy and inp.tree
+        depth = ROUNDS + 1 if inp.max_depth is None else max(inp.max_depth, 1)
+        # rounds of feeding: a tree of depth d needs d - 1 (a chain of k nodes, k - 1)
+        self.rounds = min(ROUNDS, depth - 1) if self.branching else inp.k - 1
+        self.rounds_taken = 0
         self.root_out = root_out  # the root pair's output: the first draft's distribution
         self.base = inp.start_pos + len(inp.next_token_ids) - 1  # the root pair's position
         self.context: tuple[torch.Tensor, torch.Tensor] | None = None  # head K/V [0, base]
@@ -359,9 +368,13 @@ class _Search:
     def take_round(self) -> bool:
         """Add this round's best candidates to the tree and mark those with room left for
         children to be fed; False when nothing is to be fed. A greedy tree of ``k`` nodes
-        takes ``k // (ROUNDS + 1)`` a round (the rest are leaves), a chain one."""
+        takes ``k // (rounds + 1)`` a round (the rest are leaves), a chain one; after its
+        ``rounds`` rounds, none."""
         k = self.inp.k
-        limit = max(1, k // (ROUNDS + 1)) if self.branching else 1
+        if self.rounds_taken >= self.rounds:
+            return False
+        self.rounds_taken += 1
+        limit = max(1, k // (self.rounds + 1)) if self.branching else 1
         while self.heap and len(self.pending) < limit and len(self.tokens) < k:
             node = self._add_best()
             if len(self.tokens) < k:  # room for its children: feed it (at most k - 1 fed)

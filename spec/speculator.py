@@ -461,7 +461,7 @@ class Speculator:
                 next_token_ids=request.token_ids_slice(start + 1, n), start_pos=start,
                 k=state.model_k, block_table=tuple(self.kv.block_table(rid)),
                 sampling_params=request.sampling_params, generator=request.generator,
-                tree=not self._chains_only))
+                tree=not self._chains_only, max_depth=state.in_flight_depth or None))
             owed.append(request)
         for request, out in zip(owed, self.head.propose(inputs), strict=True):
             state = request.spec_state
