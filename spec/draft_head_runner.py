@@ -13,14 +13,14 @@ pending, target features known for positions ``< n - 1``):
    ``(fc(features[p]), x_{p+1})`` for ``p`` in ``[d, n - 1)``; the last row's output ``o``
    gives the distribution of the first draft. Now ``d = n - 1``.
 2. rounds: a best-first search over tree nodes scored by the product of the head's
-   probabilities along their path, ``rounds = min(ROUNDS, max_depth - 1)`` of them (a tree
-   no deeper than the drafts the policy granted). Each round takes the best
-   ``k // (rounds + 1)`` candidates into the tree and feeds them (with their parent's ``o``
-   and their token, rotated at ``base`` + depth, ``base = n - 2`` the root pair's
-   position) to learn their children. Only the new nodes are computed: their K/V stay in the search (never in the
-   paged cache, so the reserved slots are untouched and nothing unverified is cached) and
-   each attends to the request's cached positions ``[0, base]`` plus its own path (tree
-   attention in torch: a round has a handful of rows).
+   probabilities along their path, ``rounds = min(ROUNDS, max_depth - 1)`` of them (a
+   tree no deeper than the drafts the policy granted). Each round takes the best
+   ``k // (rounds + 1)`` candidates into the tree and feeds them (with their parent's
+   ``o`` and their token, rotated at ``base`` + depth, ``base = n - 2`` the root pair's
+   position) to learn their children. Only the new nodes are computed: their K/V stay
+   in the search (never in the paged cache, so the reserved slots are untouched and
+   nothing unverified is cached) and each attends to the request's cached positions
+   ``[0, base]`` plus its own path (tree attention in torch: a round has a few rows).
 3. fill: the best remaining candidates complete the tree to ``k`` nodes (leaves).
 
 Greedy requests get a tree; sampled requests a chain drawn from the head's own ``q`` (the
