@@ -17,6 +17,7 @@ from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
 from quickdraft.engine.models.llama import ModelShape
 from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.kernels import cpu_q4q8
 from quickdraft.spec.draft_head import SHIPPED_HEADS, find_head, model_fingerprint
 from quickdraft.spec.params import SpeculationParams
 from tests.spec.test_spec_engine import run_staggered
@@ -32,11 +33,21 @@ def bench_prompts(category: str, engine: LLMEngine) -> list[list[int]]:
     return [engine.apply_chat_template(p["messages"]) for p in cats[category]]
 
 
+def weights(dtype: str) -> str:
+    """One weight format for every engine compared: ``auto`` picks by timing at start-up,
+    so two engines of one process can run different kernels (and round differently)."""
+    if dtype != "bfloat16":
+        return "dense"
+    return "int4-q8" if cpu_q4q8.available() else "dense"
+
+
+def make(speculation: str, dtype: str, **kwargs: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(dtype=dtype, speculation=speculation, weights=weights(dtype),
+                                  measure_step_cost=False, **kwargs), progress=False)  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="module")
 def engines() -> dict[str, LLMEngine]:
-    def make(speculation: str, dtype: str) -> LLMEngine:
-        return LLMEngine(EngineConfig(dtype=dtype, speculation=speculation,
-                                      measure_step_cost=False), progress=False)
     return {"off": make("off", "bfloat16"), "auto": make("auto", "bfloat16"),
             "off-fp32": make("off", "float32"), "auto-fp32": make("auto", "float32")}
 
@@ -80,8 +91,7 @@ def test_greedy_with_the_shipped_head_equals_no_speculation(
 def test_staggered_batch_with_the_shipped_head_equals_no_speculation(
         engines: dict[str, LLMEngine]) -> None:
     plain = engines["off"]
-    spec = LLMEngine(EngineConfig(speculation="head", measure_step_cost=False,
-                                  num_kv_blocks=64, block_size=16), progress=False)
+    spec = make("head", "bfloat16", num_kv_blocks=64, block_size=16)
     prompts = [p["messages"][-1]["content"] for cat in ("multi_turn_chat", "rag_qa")
                for p in json.loads(PROMPTS_PATH.read_text())["categories"][cat]]
     params = SamplingParams(temperature=0.0, max_tokens=32)
