@@ -15,6 +15,9 @@ at most the stage's current shard or the steps since the last checkpoint):
 5. the head (``draft_head.json`` + ``draft_head.safetensors``) and ``train_report.json``.
 
 Deterministic for a seed on one machine and thread count (data order, initialisation).
+With ``device`` other than the CPU (or ``data="transformers"``), stages 1-2 are made by
+transformers' batched generation on that device instead (:mod:`spec.draft_head_hf`), and
+training and evaluation run there.
 """
 
 from __future__ import annotations
