@@ -142,10 +142,11 @@ def capture(model: Any, sequences: Sequence[tuple[list[int], int]],
                 ids[row, :len(toks)] = torch.tensor(toks, dtype=torch.int64)
                 mask[row, :len(toks)] = 1
             captured.clear()
-            hidden = base(input_ids=ids.to(device), attention_mask=mask.to(device),
+            mask = mask.to(device)
+            hidden = base(input_ids=ids.to(device), attention_mask=mask,
                           use_cache=False).last_hidden_state  # [B, W, h], final norm applied
             feats = torch.cat([captured[i] for i in aux_layers], dim=-1)  # [B, W, 3h]
-            valid = mask.to(device).bool()
+            valid = mask.bool()
             rows = hidden[valid]  # [N, h]: the batch's real positions, row-major
             argmax, top_ids, top_probs = [], [], []
             for chunk in rows.split(8192):
@@ -230,15 +231,18 @@ def run_on_device(config: Any) -> dict[str, Any]:
     log(f"target {model_dir} ({fingerprint}) on {device}")
     budget_end = (time.monotonic() + 60 * config.max_generate_minutes
                   if config.max_generate_minutes else float("inf"))
-    deadline = budget_end
     timings: dict[str, float] = {}
 
     def chat(messages: list[dict[str, str]]) -> list[int]:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
 
-    def answer(conversations: list[list[dict[str, str]]], name: str) -> list[dict[str, Any]]:
-        """Greedy answers, appended to ``work/name``; returns every row of the file."""
+    def answer(conversations: list[list[dict[str, str]]], name: str,
+               budget_share: float | None) -> list[dict[str, Any]]:
+        """Greedy answers, appended to ``work/name``, within ``budget_share`` of what is
+        left of the answering budget (None: no limit); returns every row of the file."""
+        deadline = float("inf") if budget_share is None else (
+            time.monotonic() + budget_share * max(budget_end - time.monotonic(), 0.0))
         path = work / name
         done = {row["prompt"] for row in read_jsonl(path)}
         keys = [c[0]["content"] if len(c) == 1 else json.dumps(c) for c in conversations]
@@ -274,23 +278,19 @@ def run_on_device(config: Any) -> dict[str, Any]:
     written = json.loads(written_path.read_text()) if written_path.exists() else []
     log(f"{len(written)} prompts written by the target")
 
-    def share(fraction: float) -> float:  # a stage's deadline: part of the budget left
-        return time.monotonic() + fraction * max(budget_end - time.monotonic(), 0.0)
-    stages = 1 + bool(config.num_second_stage) + bool(config.num_follow_ups)
-    deadline = share(1 / stages) if stages > 1 else budget_end
-    first = answer([user(p) for p in train_prompts + written], "answers-1.jsonl")
-    deadline = share(1 / (stages - 1)) if stages == 3 else budget_end
+    # the answering stages share the budget: each takes its part of what is left
+    later = bool(config.num_second_stage) + bool(config.num_follow_ups)
+    first = answer([user(p) for p in train_prompts + written], "answers-1.jsonl",
+                   1 / (1 + later))
     pairs = [(r["prompt"], tokenizer.decode(r["output_ids"], skip_special_tokens=True))
              for r in first]
     second = answer([user(p) for p in second_stage_prompts(pairs, config.num_second_stage,
                                                            config.seed)],
-                    "answers-2.jsonl")
-    deadline = budget_end
+                    "answers-2.jsonl", 1 / (1 + bool(config.num_follow_ups)))
     turns = answer(follow_up_turns(pairs, config.num_follow_ups, config.seed),
-                   "answers-turns.jsonl") if config.num_follow_ups else []
-    deadline = float("inf")  # the held-apart answers are always made
+                   "answers-turns.jsonl", 1.0) if config.num_follow_ups else []
     held = answer([user(p) for p in eval_prompts[:config.num_eval_prompts]],
-                  "answers-eval.jsonl")
+                  "answers-eval.jsonl", None)  # the held-apart answers are always made
     timings["answers_s"] = time.perf_counter() - t0
 
     # 2. features, on the device

@@ -250,8 +250,8 @@ class DraftHeadRunner:
             search.expand(-1, lp, self)
         # 2. rounds: feed the best candidates (outside the paged cache), learn their children
         rounds = max(s.rounds for s in roots)
-        for _ in range(rounds):
-            active = [s for s in roots if s.take_round()]
+        for round_index in range(rounds):
+            active = [s for s in roots if s.take_round(round_index)]
             if not active:
                 break
             for s in active:
@@ -321,7 +321,6 @@ class _Search:
         depth = ROUNDS + 1 if inp.max_depth is None else max(inp.max_depth, 1)
         # rounds of feeding: a tree of depth d needs d - 1 (a chain of k nodes, k - 1)
         self.rounds = min(ROUNDS, depth - 1) if self.branching else inp.k - 1
-        self.rounds_taken = 0
         self.root_out = root_out  # the root pair's output: the first draft's distribution
         self.base = inp.start_pos + len(inp.next_token_ids) - 1  # the root pair's position
         self.context: tuple[torch.Tensor, torch.Tensor] | None = None  # head K/V [0, base]
@@ -366,15 +365,14 @@ class _Search:
         self.scores.append(-neg)
         return len(self.tokens) - 1
 
-    def take_round(self) -> bool:
+    def take_round(self, index: int) -> bool:
         """Add this round's best candidates to the tree and mark those with room left for
         children to be fed; False when nothing is to be fed. A greedy tree of ``k`` nodes
         takes ``k // (rounds + 1)`` a round (the rest are leaves), a chain one; after its
-        ``rounds`` rounds, none."""
+        ``rounds`` rounds (``index`` counts from 0), none."""
         k = self.inp.k
-        if self.rounds_taken >= self.rounds:
+        if index >= self.rounds:
             return False
-        self.rounds_taken += 1
         limit = max(1, k // (self.rounds + 1)) if self.branching else 1
         while self.heap and len(self.pending) < limit and len(self.tokens) < k:
             node = self._add_best()

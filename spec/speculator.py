@@ -397,8 +397,14 @@ class Speculator:
 
         def swap(c: _Candidate, use: bool) -> _Candidate:
             return c.fallback if use and c.fallback is not None else c
-        for alternative in ([swap(c, k == 0) for c, k in zip(candidates, ks, strict=True)],
-                            [swap(c, True) for c in candidates]):
+        refused = [swap(c, k == 0) for c, k in zip(candidates, ks, strict=True)]
+        every = [swap(c, True) for c in candidates]
+        tried = [candidates]
+        for alternative in (refused, every):
+            if any(all(x is y for x, y in zip(alternative, t, strict=True))
+                   for t in tried):  # the same candidates: the same answer
+                continue
+            tried.append(alternative)
             alt_ks, alt_rate = rate(alternative)
             if alt_rate > best:
                 ks, best, chosen = alt_ks, alt_rate, alternative

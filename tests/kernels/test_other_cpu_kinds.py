@@ -26,9 +26,11 @@ SUITES = ["tests/kernels/test_cpu_fused.py", "tests/kernels/test_cpu_gemv.py",
 # On the AVX2 path also the default model end to end: its int4 kernel (the AVX2 one) and the
 # dense path, batch invariance and closeness to fp32 (~1 min).
 # Tree speculation end to end too: tree rows through the native int4 layer and the masked C
-# kernel must stay token for token on the AVX2 int4 matmul.
+# kernel must stay token for token on the AVX2 int4 matmul; the shipped draft head's drafts
+# (fused small ops, 4-bit matrices) likewise.
 AVX2_ONLY = ["tests/engine/test_batch_invariance.py", "tests/engine/test_int4_weights.py",
-             "tests/spec/test_tree_engine.py", "tests/spec/test_head_engine.py"]
+             "tests/spec/test_tree_engine.py", "tests/spec/test_head_engine.py",
+             "tests/spec/test_shipped_head.py"]
 _ORDER = ["default", "avx2", "avx512"]
 
 
