@@ -22,7 +22,7 @@ from quickdraft.kernels import cbuild
 
 _SOURCE = Path(__file__).with_name("suffix_tree.c")
 _CFLAGS = ("-O2", "-fPIC", "-shared")
-_I32P = ctypes.POINTER(ctypes.c_int32)
+_MAX_TREE_NODES = 256  # most nodes one speculate_tree call returns
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,17 +34,17 @@ def _lib() -> ctypes.CDLL | None:
     lib.qd_st_new.restype = ctypes.c_void_p
     lib.qd_st_free.argtypes = [ctypes.c_void_p]
     lib.qd_st_free.restype = None
-    lib.qd_st_append.argtypes = [ctypes.c_void_p, ctypes.c_int, _I32P, ctypes.c_int]
+    # pointers pass as plain addresses (``ndarray.ctypes.data``): ``data_as`` costs more than
+    # the trie's own work on a one-token append
+    ptr = ctypes.c_void_p
+    lib.qd_st_append.argtypes = [ctypes.c_void_p, ctypes.c_int, ptr, ctypes.c_int]
     lib.qd_st_remove.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.qd_st_num_nodes.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    lib.qd_st_speculate.argtypes = [ctypes.c_void_p, _I32P, ctypes.c_int, ctypes.c_int,
-                                    ctypes.c_float, ctypes.c_float, ctypes.c_int, _I32P,
-                                    ctypes.POINTER(ctypes.c_float),
-                                    ctypes.POINTER(ctypes.c_int)]
-    lib.qd_st_speculate_tree.argtypes = [ctypes.c_void_p, _I32P, ctypes.c_int, ctypes.c_int,
-                                         ctypes.c_float, ctypes.c_float, ctypes.c_int, _I32P,
-                                         _I32P, ctypes.POINTER(ctypes.c_float),
-                                         ctypes.POINTER(ctypes.c_int)]
+    lib.qd_st_speculate.argtypes = [ctypes.c_void_p, ptr, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_float, ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
+    lib.qd_st_speculate_tree.argtypes = [ctypes.c_void_p, ptr, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_float, ctypes.c_float, ctypes.c_int, ptr,
+                                         ptr, ptr, ptr]
     for fn in (lib.qd_st_append, lib.qd_st_remove, lib.qd_st_num_nodes, lib.qd_st_speculate,
                lib.qd_st_speculate_tree):
         fn.restype = ctypes.c_int
@@ -94,6 +94,13 @@ class SuffixTree:
         self._handle = lib.qd_st_new(max_depth)
         if not self._handle:
             raise ValueError(f"max_depth must be in [1, 1024], got {max_depth}")
+        # output buffers, reused by every call (one writer: this trie's caller, one thread)
+        self._tokens = np.empty(_MAX_TREE_NODES, dtype=np.int32)
+        self._parents = np.empty(_MAX_TREE_NODES, dtype=np.int32)
+        self._probs = np.empty(_MAX_TREE_NODES, dtype=np.float32)
+        self._scalars = np.empty(2, dtype=np.int32)  # [match length, float score's bits]
+        self._out = (self._tokens.ctypes.data, self._parents.ctypes.data,
+                     self._probs.ctypes.data, self._scalars.ctypes.data)
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None
@@ -102,8 +109,7 @@ class SuffixTree:
 
     def append(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> None:
         arr = _i32(tokens)
-        if self._lib.qd_st_append(
-                self._handle, seq_id, arr.ctypes.data_as(_I32P), arr.size) != 0:
+        if self._lib.qd_st_append(self._handle, seq_id, arr.ctypes.data, arr.size) != 0:
             raise ValueError(f"append to sequence {seq_id} failed (negative token id or "
                              "out of memory)")
 
@@ -117,16 +123,17 @@ class SuffixTree:
     def speculate(self, context: Sequence[int] | np.ndarray, max_tokens: int,
                   max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
                   min_match_len: int = 1) -> Draft:
+        if not 0 <= max_tokens <= _MAX_TREE_NODES:
+            raise ValueError(f"max_tokens must be in [0, {_MAX_TREE_NODES}], got {max_tokens}")
         ctx = _i32(context[-self.max_depth:])
-        out = np.empty(max(max_tokens, 1), dtype=np.int32)
-        score, match = ctypes.c_float(), ctypes.c_int()
-        n = self._lib.qd_st_speculate(self._handle, ctx.ctypes.data_as(_I32P), ctx.size,
-                                      max_tokens, max_spec_factor, min_token_prob,
-                                      min_match_len, out.ctypes.data_as(_I32P), ctypes.byref(score),
-                                      ctypes.byref(match))
+        tokens, _, _, scalars = self._out
+        n = self._lib.qd_st_speculate(self._handle, ctx.ctypes.data, ctx.size, max_tokens,
+                                      max_spec_factor, min_token_prob, min_match_len,
+                                      tokens, scalars + 4, scalars)
         if n < 0:
             raise RuntimeError("qd_st_speculate failed")
-        return Draft(out[:n].tolist(), float(score.value), int(match.value))
+        score = float(self._scalars[1:].view(np.float32)[0])
+        return Draft(self._tokens[:n].tolist(), score, int(self._scalars[0]))
 
     def speculate_tree(self, context: Sequence[int] | np.ndarray, max_nodes: int,
                        max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
@@ -134,19 +141,13 @@ class SuffixTree:
         """:meth:`speculate`'s match, drafted as a tree: the ``max_nodes`` most probable
         continuations best-first (depth at most its chain budget), each above
         ``min_token_prob``."""
-        if not 0 <= max_nodes <= 256:
-            raise ValueError(f"max_nodes must be in [0, 256], got {max_nodes}")
+        if not 0 <= max_nodes <= _MAX_TREE_NODES:
+            raise ValueError(f"max_nodes must be in [0, {_MAX_TREE_NODES}], got {max_nodes}")
         ctx = _i32(context[-self.max_depth:])
-        tokens = np.empty(max(max_nodes, 1), dtype=np.int32)
-        parents = np.empty_like(tokens)
-        probs = np.empty(max(max_nodes, 1), dtype=np.float32)
-        match = ctypes.c_int()
         n = self._lib.qd_st_speculate_tree(
-            self._handle, ctx.ctypes.data_as(_I32P), ctx.size, max_nodes, max_spec_factor,
-            min_token_prob, min_match_len, tokens.ctypes.data_as(_I32P),
-            parents.ctypes.data_as(_I32P), probs.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
-            ctypes.byref(match))
+            self._handle, ctx.ctypes.data, ctx.size, max_nodes, max_spec_factor,
+            min_token_prob, min_match_len, *self._out)
         if n < 0:
             raise RuntimeError("qd_st_speculate_tree failed")
-        return TreeDraft(tokens[:n].tolist(), parents[:n].tolist(), probs[:n].tolist(),
-                         int(match.value))
+        return TreeDraft(self._tokens[:n].tolist(), self._parents[:n].tolist(),
+                         self._probs[:n].tolist(), int(self._scalars[0]))
