@@ -32,7 +32,7 @@ from quickdraft.spec.draft_head import find_head
 from quickdraft.spec.draft_head_runner import DraftHeadRunner
 from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
 from quickdraft.spec.params import SpeculationParams
-from quickdraft.spec.policy import SpeculationPolicy, StepCost, measure_step_cost
+from quickdraft.spec.policy import ObservedStepCost, SpeculationPolicy, StepCost, measure_step_cost
 from quickdraft.spec.speculator import HEAD_NODES_PER_DRAFT, Speculator
 
 log = logging.getLogger(__name__)
@@ -97,8 +97,13 @@ class LLMEngine:
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         draft_cost, draft_fixed_cost = self._draft_cost()
+        step_cost = self._step_cost()
+        # a measured curve is corrected by the steps' real times while serving (a busy
+        # neighbour makes rows dearer); the default curve of an unmeasured engine stays fixed
+        self.step_cost = ObservedStepCost(step_cost) \
+            if config.measure_step_cost and config.speculation != "off" else None
         policy = SpeculationPolicy(
-            self._step_cost(), config.num_speculative_tokens, draft_cost=draft_cost,
+            self.step_cost or step_cost, config.num_speculative_tokens, draft_cost=draft_cost,
             draft_fixed_cost=draft_fixed_cost,
             rows_per_model_draft=HEAD_NODES_PER_DRAFT if self.head and not self.draft else 1)
         self.speculation = config.speculation
@@ -272,8 +277,11 @@ class LLMEngine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         try:
+            start = time.perf_counter()
             result = self.runner.execute(sched, self.speculator.recycler(requests),
                                          self.speculator.features_wanted(requests))
+            if self.step_cost is not None:
+                self.step_cost.observe(sched.num_tokens, time.perf_counter() - start)
             if result.features is not None:
                 self.speculator.observe_features(
                     requests, [s.start_pos for s in sched.requests], result.features)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -86,6 +88,78 @@ def measure_step_cost(run: Callable[[int], float], sizes: Sequence[int] = (1, 2,
     return StepCost(tuple(xs), tuple(seconds))
 
 
+class ObservedStepCost:
+    """The start-up curve corrected by what steps take while serving.
+
+    A neighbour on the host can slow steps for minutes, and not evenly: on the 2-core
+    AVX512-BF16 EPYC a 1-row step went from 6.0 to 8.1 ms in a busy spell while a 4-row
+    step went from 7.1 to 12.0 ms (each row +0.36 ms quiet, +1.3 ms busy). The policy prices
+    ``k`` drafts by ``cost(N + k) / cost(N)``, so a curve measured in a quiet spell grants
+    drafts that no longer pay. Per step size ``n`` this keeps the last ``window`` ratios
+    ``observed / start-up`` and prices ``cost(n) = start-up(n) * median ratio``. A size
+    without ``min_samples`` recent observations (within ``stale_steps`` steps) borrows
+    its ratio from the sizes that have them (interpolated, or the nearest), so it
+    is tried again when the neighbour leaves; with none, the start-up curve stands.
+
+    Invariant: the observer (the engine, after each model step) is the only writer; every
+    ratio is finite and > 0."""
+
+    def __init__(self, base: StepCost, window: int = 8, min_samples: int = 3,
+                 stale_steps: int = 256, max_tokens: int = 1024) -> None:
+        self.base = base
+        self.window, self.min_samples = window, min_samples
+        self.stale_steps, self.max_tokens = stale_steps, max_tokens
+        self._samples: dict[int, deque[float]] = {}
+        self._last_seen: dict[int, int] = {}
+        self._step = 0
+        self._ratios: tuple[tuple[int, ...], tuple[float, ...]] | None = None  # cache
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A model step over ``num_tokens`` query tokens took ``seconds``."""
+        self._step += 1
+        self._ratios = None
+        if not 1 <= num_tokens <= self.max_tokens or not seconds > 0.0:
+            return
+        ratio = seconds / self.base(num_tokens)
+        assert ratio > 0.0 and ratio != float("inf"), (num_tokens, seconds)
+        self._samples.setdefault(num_tokens, deque(maxlen=self.window)).append(ratio)
+        self._last_seen[num_tokens] = self._step
+
+    @property
+    def num_steps(self) -> int:
+        """Steps observed so far."""
+        return self._step
+
+    def num_samples(self, num_tokens: int) -> int:
+        """Ratios kept for steps of ``num_tokens`` query tokens."""
+        return len(self._samples.get(num_tokens, ()))
+
+    def ratios(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """The step sizes with a current estimate and their median ratios (ascending)."""
+        if self._ratios is None:
+            sizes = sorted(n for n, q in self._samples.items() if len(q) >= self.min_samples
+                           and self._step - self._last_seen[n] <= self.stale_steps)
+            self._ratios = (tuple(sizes),
+                            tuple(statistics.median(self._samples[n]) for n in sizes))
+        return self._ratios
+
+    def __call__(self, n: int) -> float:
+        sizes, ratios = self.ratios()
+        if not sizes:
+            return self.base(n)
+        i = bisect.bisect_left(sizes, n)
+        if i < len(sizes) and sizes[i] == n:
+            ratio = ratios[i]
+        elif i == 0:
+            ratio = ratios[0]
+        elif i == len(sizes):
+            ratio = ratios[-1]
+        else:
+            x0, x1 = sizes[i - 1], sizes[i]
+            ratio = ratios[i - 1] + (ratios[i] - ratios[i - 1]) * (n - x0) / (x1 - x0)
+        return self.base(n) * ratio
+
+
 @dataclass
 class AcceptanceTracker:
     """Per-request acceptance estimate (exponential moving average over verified drafts).
@@ -120,7 +194,7 @@ class SpeculationPolicy:
     what drafting costs by batch size whatever the depth (a draft head's catch-up forward
     over the newly verified positions; None: nothing)."""
 
-    cost: StepCost = field(default_factory=StepCost.memory_bound)
+    cost: StepCost | ObservedStepCost = field(default_factory=StepCost.memory_bound)
     max_k: int = 4
     min_alpha: float = 0.05
     probe_interval: int = 16
@@ -227,7 +301,7 @@ class _Plan:
     n: int
     draft_seconds: float
 
-    def rate(self, cost: StepCost) -> float:
+    def rate(self, cost: Callable[[int], float]) -> float:
         return self.tokens / (cost(self.n) + self.draft_seconds)
 
     def with_token(self, i: int, gain: float) -> _Plan:

@@ -1,0 +1,96 @@
+"""The start-up cost curve corrected by observed step times (spec.policy.ObservedStepCost)."""
+
+from __future__ import annotations
+
+import pytest
+
+from quickdraft.spec.policy import ObservedStepCost, SpeculationPolicy, StepCost
+
+QUIET = StepCost((1, 2, 4, 8), (6.0, 6.4, 7.1, 10.9))  # ms, the quiet machine's curve
+
+
+def observe(cost: ObservedStepCost, n: int, ratio: float, times: int = 3) -> None:
+    for _ in range(times):
+        cost.observe(n, QUIET(n) * ratio)
+
+
+def test_without_observations_the_start_up_curve_stands():
+    cost = ObservedStepCost(QUIET)
+    observe(cost, 4, 2.0, times=2)  # fewer than min_samples
+    assert [cost(n) for n in (1, 3, 4, 9)] == [QUIET(n) for n in (1, 3, 4, 9)]
+
+
+def test_observed_sizes_are_priced_by_their_median_ratio():
+    cost = ObservedStepCost(QUIET)
+    for ratio in (1.3, 1.3, 9.0, 1.3, 1.4):  # one outlier step (a pause) barely counts
+        cost.observe(1, QUIET(1) * ratio)
+    assert cost(1) == pytest.approx(QUIET(1) * 1.3)
+
+
+def test_unobserved_sizes_borrow_from_the_observed_ones():
+    cost = ObservedStepCost(QUIET)
+    observe(cost, 1, 1.3)
+    observe(cost, 4, 1.7)
+    assert cost(2) == pytest.approx(QUIET(2) * (1.3 + 0.4 * 1 / 3))  # interpolated
+    assert cost(8) == pytest.approx(QUIET(8) * 1.7)  # past the largest: its ratio
+    only_rows = ObservedStepCost(QUIET)
+    observe(only_rows, 4, 1.7)
+    assert only_rows(1) == pytest.approx(QUIET(1) * 1.7)  # below the smallest: its ratio
+
+
+def test_an_estimate_not_seen_for_stale_steps_is_dropped():
+    cost = ObservedStepCost(QUIET, stale_steps=10)
+    observe(cost, 1, 1.0)
+    observe(cost, 4, 2.0)
+    assert cost(4) == pytest.approx(QUIET(4) * 2.0)
+    observe(cost, 1, 1.0, times=11)  # the busy spell is over; 4-row steps stopped
+    assert cost(4) == pytest.approx(QUIET(4))  # tried again at the 1-row ratio
+
+
+def test_bad_observations_are_ignored():
+    cost = ObservedStepCost(QUIET, max_tokens=64)
+    for n, seconds in ((0, 1.0), (65, 1.0), (4, 0.0), (4, float("nan"))):
+        cost.observe(n, seconds)
+    assert cost.ratios() == ((), ())
+
+
+def test_a_busy_spell_stops_drafts_the_quiet_curve_would_grant():
+    """Quiet: a 4-row step costs 1.18 steps, so three drafts accepted 60% pay. Busy (each row
+    +1.3 ms, measured on the 2-core EPYC): the same drafts would slow the request down."""
+    cost = ObservedStepCost(QUIET)
+    policy = SpeculationPolicy(cost, max_k=4)
+    assert policy.allocate([0.6], [3], num_plain_tokens=1) == [3]
+    observe(cost, 1, 8.1 / 6.0)
+    observe(cost, 2, 9.4 / 6.4)
+    observe(cost, 4, 12.0 / 7.1)
+    ks = policy.allocate([0.6], [3], num_plain_tokens=1)
+    assert ks[0] < 3
+    tokens = 1 + sum(0.6 ** j for j in range(1, ks[0] + 1))
+    assert tokens / cost(1 + ks[0]) >= 1 / cost(1)  # what it grants still pays
+
+
+def test_the_engine_feeds_its_steps_to_the_policys_curve(tiny_model_dir):
+    """A measured engine prices drafts with the observed curve and records every model step
+    by its query tokens (drafts included); an unmeasured one keeps its fixed default."""
+    from quickdraft.engine.config import EngineConfig
+    from quickdraft.engine.llm_engine import LLMEngine
+    from quickdraft.engine.sampling_params import SamplingParams
+
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", speculation="ngram",
+                          num_kv_blocks=64, block_size=4)
+    engine = LLMEngine(config, progress=False)
+    cost = engine.step_cost
+    assert cost is not None and engine.speculator.policy.cost is cost
+    engine.add_request("r", prompt_token_ids=[5, 6, 7, 5, 6, 7, 5, 6],
+                       sampling_params=SamplingParams(temperature=0.0, max_tokens=12,
+                                                      ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert cost.num_steps == steps  # one observation a model step
+    assert cost.num_samples(8) == 1  # the prefill step's eight prompt tokens
+    fixed = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
+                                   speculation="ngram", measure_step_cost=False,
+                                   num_kv_blocks=64, block_size=4), progress=False)
+    assert fixed.step_cost is None
