@@ -2,10 +2,10 @@
 
 The engine measures its step-cost curve while the machine is quiet (start-up), then a
 neighbour process starts spinning on one core (``python -c 'while True: pass'``), as on a
-shared host. Each category's prompts run at concurrency 1 with speculation off, with the
-policy on the start-up curve (static) and on the curve corrected by observed step times
-(observed, the default), alternating, ``--repeats`` times; speed-ups are ratios of medians
-against ``off`` in the same run.
+shared host. Each category's prompts run at ``--concurrency`` (default 1) with speculation
+off, with the policy on the start-up curve (static) and on the curve corrected by observed
+step times (observed, the default), alternating, ``--repeats`` times; speed-ups are ratios
+of medians against ``off`` in the same run.
 
     python benchmarks/busy_neighbour.py [--categories ...] [--repeats 3] [--method suffix]
 """
@@ -36,10 +36,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--method", default="suffix")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--no-neighbour", action="store_true", help="the quiet control run")
     ap.add_argument("--tag", default="busy_neighbour")
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(speculation=args.method))
+    engine = LLMEngine(EngineConfig(speculation=args.method,
+                                    max_num_seqs=max(args.concurrency, 8)))
     base = engine.step_cost.base if engine.step_cost is not None else None
     assert base is not None, "the engine measured no step-cost curve"
     policy = engine.speculator.policy
@@ -60,8 +62,8 @@ def main() -> None:
                     elif mode == "observed":  # learns afresh each run
                         engine.step_cost = policy.cost = ObservedStepCost(base)
                     method = "off" if mode == "off" else args.method
-                    run = run_category(engine, prompts, 1, params, f"{cat}-{mode}-{rep}",
-                                       method)
+                    run = run_category(engine, prompts, args.concurrency, params,
+                                       f"{cat}-{mode}-{rep}", method)
                     walls[mode].append(run["wall_s"])
                 print(cat, rep, {m: round(w[-1], 3) for m, w in walls.items()}, flush=True)
             results[cat] = walls
@@ -79,15 +81,17 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{args.tag}.json"
     out.write_text(json.dumps({"method": args.method, "neighbour": not args.no_neighbour,
+                               "concurrency": args.concurrency,
                                "repeats": args.repeats, "walls": results,
                                "speedup": {c: {"static": s, "observed": o}
                                            for c, s, o in rows}}, indent=1))
-    _plot(rows, RESULTS / f"{args.tag}.png", args.method, not args.no_neighbour)
+    _plot(rows, RESULTS / f"{args.tag}.png", args.method, not args.no_neighbour,
+          args.concurrency)
     print("wrote", out)
 
 
 def _plot(rows: list[tuple[str, float, float]], path: Path, method: str,
-          neighbour: bool) -> None:
+          neighbour: bool, concurrency: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +104,8 @@ def _plot(rows: list[tuple[str, float, float]], path: Path, method: str,
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(list(xs), [r[0] for r in rows], rotation=15)
     ax.set_ylabel(f"{method} speed-up vs off")
-    ax.set_title("C=1, " + ("a busy neighbour process" if neighbour else "quiet machine"))
+    ax.set_title(f"C={concurrency}, "
+                 + ("a busy neighbour process" if neighbour else "no neighbour process"))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
