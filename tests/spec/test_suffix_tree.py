@@ -50,6 +50,32 @@ def test_matches_the_reference(seed: int, max_depth: int) -> None:
         assert tree_got.probs == probs  # the same float32 operations
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_one_token_appends_match_the_reference(seed: int) -> None:
+    """The engine's pattern: a prompt, then one token a step, several sequences interleaved
+    (each append continues from its sequence's saved active nodes), an id removed and
+    reused."""
+    rng = random.Random(seed)
+    tree, ref = suffix_tree.SuffixTree(24), ReferenceSuffixTree(24)
+    for seq in range(3):
+        prompt = [rng.randrange(6) for _ in range(30)]
+        tree.append(seq, prompt)
+        ref.append(seq, prompt)
+    for step in range(150):
+        seq = rng.randrange(3)
+        if step == 75:
+            tree.remove(seq)
+            ref.remove(seq)
+        token = [rng.randrange(6)]
+        tree.append(seq, token)
+        ref.append(seq, token)
+        assert tree.num_nodes(live=True) == ref.num_live_nodes()
+        ctx = [rng.randrange(6) for _ in range(rng.randint(1, 30))]
+        got = tree.speculate_tree(ctx, 16, 4.0, 0.0, 1)
+        t, parents, probs, m = ref.speculate_tree(ctx, 16, 4.0, 0.0, 1)
+        assert (got.tokens, got.parents, got.probs, got.match_len) == (t, parents, probs, m)
+
+
 def test_drafts_the_most_frequent_continuation() -> None:
     tree = suffix_tree.SuffixTree(8)
     tree.append(0, [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4])
