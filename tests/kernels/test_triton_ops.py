@@ -180,7 +180,14 @@ def test_silu_mul(dtype, shape):
     assert got.dtype == want.dtype and got.shape == want.shape
     # exp differs from torch's in the last fp32 bit now and then; when that flips the rounding
     # of silu(gate) (one ulp), the product with up can move by two of its own ulps
-    _close(got, want, max_ulps=2)
+    max_ulps = 2
+    if dtype == F32 and not ops.INTERPRET:
+        # Compiled for CUDA, tl.exp(-g) is ex2.approx(-g * log2 e): the product's rounding is
+        # scaled by |g * log2 e|, so the relative error grows by ~1.44 ulp per unit of |g|
+        # (measured on an H200, triton 3.6, |g| <= ~12 here: 5, 6 and 7 ulps on the three
+        # shapes). bf16 and fp16 round it away.
+        max_ulps = 4 + int(1.5 * float(gate_up[..., : shape[-1] // 2].abs().max()))
+    _close(got, want, max_ulps=max_ulps)
 
 
 # ------------------------------------------------------------------------------- robustness
