@@ -36,6 +36,11 @@ GAUGES = {  # name: (help, key of AsyncLLM.stats())
                                    "suffix_tenants"),
     "spec_decode_suffix_cached_tokens": ("Tokens of earlier answers in the suffix proposer's "
                                          "tries.", "suffix_cached_tokens"),
+    "spec_decode_step_cost_ratio": ("Recent model steps' time over what the start-up "
+                                    "measurement predicts for their size (median of the last "
+                                    "64; above 1: the machine got slower, and the speculation "
+                                    "policy prices drafts accordingly; 0: not measured).",
+                                    "spec_step_cost_ratio"),
 }
 COUNTERS = {
     "num_preemptions": ("Preemptions (recompute) so far.", "num_preemptions"),

@@ -110,6 +110,7 @@ class ObservedStepCost:
         self.window, self.min_samples = window, min_samples
         self.stale_steps, self.max_tokens = stale_steps, max_tokens
         self._samples: dict[int, deque[float]] = {}
+        self._recent: deque[float] = deque(maxlen=64)  # every size's ratios, for /metrics
         self._last_seen: dict[int, int] = {}
         self._step = 0
         self._ratios: tuple[tuple[int, ...], tuple[float, ...]] | None = None  # cache
@@ -123,7 +124,13 @@ class ObservedStepCost:
         ratio = seconds / self.base(num_tokens)
         assert ratio > 0.0 and ratio != float("inf"), (num_tokens, seconds)
         self._samples.setdefault(num_tokens, deque(maxlen=self.window)).append(ratio)
+        self._recent.append(ratio)
         self._last_seen[num_tokens] = self._step
+
+    def recent_ratio(self) -> float:
+        """How much slower the last 64 steps ran than the start-up curve says for their sizes
+        (median of observed / start-up; 1.0 before any step)."""
+        return statistics.median(self._recent) if self._recent else 1.0
 
     @property
     def num_steps(self) -> int:

@@ -47,6 +47,14 @@ def test_an_estimate_not_seen_for_stale_steps_is_dropped():
     assert cost(4) == pytest.approx(QUIET(4))  # tried again at the 1-row ratio
 
 
+def test_recent_ratio_is_what_metrics_show():
+    cost = ObservedStepCost(QUIET)
+    assert cost.recent_ratio() == 1.0
+    observe(cost, 1, 1.3, times=2)
+    observe(cost, 4, 1.8, times=1)
+    assert cost.recent_ratio() == pytest.approx(1.3)  # every size's steps, median
+
+
 def test_bad_observations_are_ignored():
     cost = ObservedStepCost(QUIET, max_tokens=64)
     for n, seconds in ((0, 1.0), (65, 1.0), (4, 0.0), (4, float("nan"))):
@@ -89,6 +97,7 @@ def test_the_engine_feeds_its_steps_to_the_policys_curve(tiny_model_dir):
         engine.step()
         steps += 1
     assert cost.num_steps == steps  # one observation a model step
+    assert cost.recent_ratio() > 0.0
     assert cost.num_samples(8) == 1  # the prefill step's eight prompt tokens
     fixed = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
                                    speculation="ngram", measure_step_cost=False,
