@@ -144,8 +144,10 @@ class ObservedStepCost:
     def ratios(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """The step sizes with a current estimate and their median ratios (ascending)."""
         if self._ratios is None:
-            sizes = sorted(n for n, q in self._samples.items() if len(q) >= self.min_samples
-                           and self._step - self._last_seen[n] <= self.stale_steps)
+            for n in [n for n, seen in self._last_seen.items()
+                      if self._step - seen > self.stale_steps]:  # (bounds the work to sizes
+                del self._samples[n], self._last_seen[n]     # seen lately, e.g. prefills)
+            sizes = sorted(n for n, q in self._samples.items() if len(q) >= self.min_samples)
             self._ratios = (tuple(sizes),
                             tuple(statistics.median(self._samples[n]) for n in sizes))
         return self._ratios

@@ -98,9 +98,10 @@ class SuffixTree:
         self._tokens = np.empty(_MAX_TREE_NODES, dtype=np.int32)
         self._parents = np.empty(_MAX_TREE_NODES, dtype=np.int32)
         self._probs = np.empty(_MAX_TREE_NODES, dtype=np.float32)
-        self._scalars = np.empty(2, dtype=np.int32)  # [match length, float score's bits]
+        self._score = np.empty(1, dtype=np.float32)
+        self._match = np.empty(1, dtype=np.int32)
         self._out = (self._tokens.ctypes.data, self._parents.ctypes.data,
-                     self._probs.ctypes.data, self._scalars.ctypes.data)
+                     self._probs.ctypes.data, self._match.ctypes.data)
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None
@@ -126,14 +127,13 @@ class SuffixTree:
         if not 0 <= max_tokens <= _MAX_TREE_NODES:
             raise ValueError(f"max_tokens must be in [0, {_MAX_TREE_NODES}], got {max_tokens}")
         ctx = _i32(context[-self.max_depth:])
-        tokens, _, _, scalars = self._out
+        tokens, _, _, match = self._out
         n = self._lib.qd_st_speculate(self._handle, ctx.ctypes.data, ctx.size, max_tokens,
                                       max_spec_factor, min_token_prob, min_match_len,
-                                      tokens, scalars + 4, scalars)
+                                      tokens, self._score.ctypes.data, match)
         if n < 0:
             raise RuntimeError("qd_st_speculate failed")
-        score = float(self._scalars[1:].view(np.float32)[0])
-        return Draft(self._tokens[:n].tolist(), score, int(self._scalars[0]))
+        return Draft(self._tokens[:n].tolist(), float(self._score[0]), int(self._match[0]))
 
     def speculate_tree(self, context: Sequence[int] | np.ndarray, max_nodes: int,
                        max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
@@ -150,4 +150,4 @@ class SuffixTree:
         if n < 0:
             raise RuntimeError("qd_st_speculate_tree failed")
         return TreeDraft(self._tokens[:n].tolist(), self._parents[:n].tolist(),
-                         self._probs[:n].tolist(), int(self._scalars[0]))
+                         self._probs[:n].tolist(), int(self._match[0]))
