@@ -66,7 +66,8 @@ def add_draft_head_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
     train.add_argument("--generate-batch", type=int, default=512,
                        help="device runs: answers generated at once")
     train.add_argument("--max-generate-minutes", type=float, default=None,
-                       help="device runs: start no new answers after this long")
+                       help="device runs: start no new answers after this long (0: "
+                            "train on the work directory's answers only)")
     train.add_argument("--checkpoint-every", type=int, default=25,
                        help="optimiser steps between checkpoints")
     train.add_argument("--max-seq-len", type=int, default=768,

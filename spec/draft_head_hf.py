@@ -229,8 +229,10 @@ def run_on_device(config: Any) -> dict[str, Any]:
     model = load_hf_target(model_dir, str(device), torch.bfloat16)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     log(f"target {model_dir} ({fingerprint}) on {device}")
+    # 0 minutes: no new answers, train on what the work directory holds (e.g. answers
+    # merged from earlier runs); the held-apart answers are still made if missing
     budget_end = (time.monotonic() + 60 * config.max_generate_minutes
-                  if config.max_generate_minutes else float("inf"))
+                  if config.max_generate_minutes is not None else float("inf"))
     timings: dict[str, float] = {}
 
     def chat(messages: list[dict[str, str]]) -> list[int]:
@@ -248,6 +250,8 @@ def run_on_device(config: Any) -> dict[str, Any]:
         keys = [c[0]["content"] if len(c) == 1 else json.dumps(c) for c in conversations]
         todo = [(k, c) for k, c in dict(zip(keys, conversations, strict=True)).items()
                 if k not in done]
+        if budget_share is not None and config.max_generate_minutes == 0:
+            todo = []  # no answering budget at all
         ids = [chat(c) for _k, c in todo]
         outs = generate(model, ids, max_new_tokens=config.max_new_tokens,
                         batch_size=config.generate_batch, eos_ids=eos, pad_id=pad,
@@ -266,7 +270,8 @@ def run_on_device(config: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     train_prompts, eval_prompts = first_stage_prompts(config.num_prompts, config.seed)
     written_path = work / "self-prompts.json"
-    if config.num_self_prompts and not written_path.exists():
+    if config.num_self_prompts and not written_path.exists() \
+            and config.max_generate_minutes != 0:
         requests = self_prompt_requests(config.num_self_prompts, config.seed)
         outs = generate(model, [chat(user(r)) for r in requests], max_new_tokens=64,
                         batch_size=config.generate_batch, eos_ids=eos, pad_id=pad,

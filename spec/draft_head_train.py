@@ -100,6 +100,9 @@ class TrainConfig:
             raise ValueError("the engine makes data on the CPU only: use data=transformers")
         if self.data_maker == "engine" and (self.num_self_prompts or self.num_follow_ups):
             raise ValueError("num_self_prompts and num_follow_ups need data=transformers")
+        if self.max_generate_minutes is not None and not self.max_generate_minutes >= 0:
+            raise ValueError("max_generate_minutes must be >= 0 (0: no new answers), not "
+                             f"{self.max_generate_minutes}")
         if self.num_self_prompts < 0 or self.num_follow_ups < 0 or self.generate_batch < 1:
             raise ValueError("num_self_prompts and num_follow_ups must be >= 0, "
                              "generate_batch >= 1")

@@ -6,6 +6,7 @@ on a tiny random model on the CPU."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,16 @@ def test_transformers_pipeline_end_to_end(tiny: Path, tmp_path: Path) -> None:
     assert again["train_conversations"] == report["train_conversations"]
     assert {p.name: p.read_text()
             for p in (tmp_path / "work").glob("answers-*.jsonl")} == answers
+    # no answering budget: more prompts asked for, none answered; rows merged into the work
+    # directory from elsewhere (any key) are trained on
+    merged = tmp_path / "work" / "answers-1.jsonl"
+    extra = json.loads(merged.read_text().splitlines()[0]) | {"prompt": "another run/0"}
+    merged.write_text(merged.read_text() + json.dumps(extra) + "\n")
+    only = run(replace(config, num_prompts=30, num_self_prompts=40, max_generate_minutes=0))
+    assert only["train_conversations"] == report["train_conversations"] + 1
+    answers["answers-1.jsonl"] = merged.read_text()
+    assert {p.name: p.read_text()
+            for p in (tmp_path / "work").glob("answers-*.jsonl")} == answers
 
 
 def test_transformers_options_are_validated(tmp_path: Path) -> None:
@@ -134,5 +145,7 @@ def test_transformers_options_are_validated(tmp_path: Path) -> None:
         TrainConfig(out_dir=tmp_path, work_dir=tmp_path, data="engine", device="cuda")
     with pytest.raises(ValueError, match="data must be"):
         TrainConfig(out_dir=tmp_path, work_dir=tmp_path, data="gpu")
+    with pytest.raises(ValueError, match="max_generate_minutes"):
+        TrainConfig(out_dir=tmp_path, work_dir=tmp_path, max_generate_minutes=-1)
     assert TrainConfig(out_dir=tmp_path, work_dir=tmp_path, device="cuda").data_maker == \
         "transformers"
