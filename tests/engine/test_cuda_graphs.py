@@ -3,8 +3,7 @@
 Without a GPU the Triton kernels run under the interpreter on CPU tensors, and "graphs" are
 :func:`engine.cuda_graphs.eager_capture` (replay re-runs the captured step function over the
 same static buffers), which exercises the bucketing, padding and buffer plumbing. With a
-GPU, the last test captures real CUDA graphs.
-"""
+GPU, every test runs on it: compiled kernels and real CUDA graphs."""
 
 from __future__ import annotations
 
@@ -20,6 +19,10 @@ from quickdraft.engine.llm_engine import LLMEngine
 from quickdraft.engine.sampling_params import SamplingParams
 
 triton = pytest.importorskip("triton")
+
+# On a GPU machine the same tests run the compiled kernels and real graphs (conftest sets
+# TRITON_INTERPRET=1 only where there is no GPU, and the interpreter needs CPU tensors)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 PROMPTS = ["Hello there, how are you?", "The capital of France is", "def f(x):\n    return x",
            "One two three four one two three four one two"]
@@ -67,7 +70,7 @@ def triton_interpreting() -> bool:
 @pytest.fixture(scope="module")
 def config(tiny_model_dir) -> EngineConfig:
     # max_model_len 512: the graphs use 2 KV splits (split-KV path); block size 5 is odd
-    return EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cpu",
+    return EngineConfig(model=str(tiny_model_dir), dtype="float32", device=DEVICE,
                         num_kv_blocks=96, block_size=5, max_model_len=512,
                         cuda_graph_max_tokens=8, measure_step_cost=False, num_threads=1)
 
@@ -98,7 +101,7 @@ def test_default_model_fast_path_equals_reference_path(default_model_dir):
     """The embedded default model (fp32 greedy): prefill through the Triton kernels, decode by
     graph replay, against the torch reference path. Under the interpreter one SmolLM2 decode
     step takes ~2.5 s, so the prompt and the answer are short."""
-    config = EngineConfig(model=str(default_model_dir), dtype="float32", device="cpu",
+    config = EngineConfig(model=str(default_model_dir), dtype="float32", device=DEVICE,
                           num_kv_blocks=32, max_model_len=128, speculation="off",
                           cuda_graph_max_tokens=1, measure_step_cost=False, num_threads=1)
     params = SamplingParams(temperature=0, max_tokens=6)
