@@ -12,7 +12,7 @@ step in tests):
   where the target's is (verified tokens); a preemption resets it to 0;
 * ``head_valid <= request.num_computed_tokens``: likewise for the draft head's K/V; its
   pending target features (``head_feature_chunks``, rows for positions from
-  ``head_features_start``) are dropped on preemption with it;
+  ``head_features_start``; ``num_head_features`` of them) are dropped on preemption with it;
 * ``model_k > 0`` only between ``plan`` (which reserves the slots) and ``draft`` (which fills
   the drafts) of one step;
 * ``verifying`` is set only while the request has drafts in flight (None between steps).
@@ -55,6 +55,9 @@ class RequestSpecState:
     # step copied a whole prompt's features per request per step)
     head_feature_chunks: list[torch.Tensor] = field(default_factory=list)
     head_features_start: int = 0
+    num_head_features: int = 0  # rows in head_feature_chunks, counted as they come: summed
+    # on every add, a request's cost grew with its steps (chunks pile up while the head
+    # does not draft, e.g. at C=8)
 
     def tracker(self, source: str, pooled: AcceptanceTracker | None = None
                 ) -> AcceptanceTracker:
@@ -80,10 +83,6 @@ class RequestSpecState:
         self.head_valid = 0
         self.drop_features(0)
 
-    @property
-    def num_head_features(self) -> int:
-        return sum(len(chunk) for chunk in self.head_feature_chunks)
-
     def head_features(self) -> torch.Tensor | None:
         """The kept features ``[m, 3h]`` (positions from ``head_features_start``), or None."""
         chunks = self.head_feature_chunks
@@ -99,13 +98,16 @@ class RequestSpecState:
         if self.head_feature_chunks and self.head_features_start + self.num_head_features \
                 == start:
             self.head_feature_chunks.append(rows)
+            self.num_head_features += len(rows)
         else:
             self.head_feature_chunks, self.head_features_start = [rows], start
+            self.num_head_features = len(rows)
 
     def drop_features(self, start: int) -> None:
         """The head has seen every position before ``start``: nothing kept."""
         self.head_feature_chunks = []
         self.head_features_start = start
+        self.num_head_features = 0
 
     def check_invariants(self, num_computed_tokens: int) -> None:
         """Between steps (after the scheduler applied a step's output)."""
@@ -114,3 +116,4 @@ class RequestSpecState:
         assert 0 <= self.head_valid <= num_computed_tokens, (self.head_valid,
                                                              num_computed_tokens)
         assert self.model_k == 0 and self.verifying is None, (self.model_k, self.verifying)
+        assert self.num_head_features == sum(len(c) for c in self.head_feature_chunks)
