@@ -33,7 +33,7 @@ from quickdraft.spec.ngram import NgramProposer
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy, expected_accepted
 from quickdraft.spec.recycling import RecyclingProposer
-from quickdraft.spec.state import prior
+from quickdraft.spec.state import lookups_to_skip, prior
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_tree import available as suffix_tree_available
 from quickdraft.spec.token_tree import TokenTree
@@ -57,6 +57,7 @@ class SpeculationStats:
     # per source (ngram / suffix / recycling / draft; combined counts its best source):
     # [verification steps, drafted, accepted]
     by_source: dict[str, list[int]] = field(default_factory=dict)
+    num_skipped_lookups: int = 0  # proposals not made by the lookup back-off (spec.state)
 
     @property
     def acceptance_rate(self) -> float:
@@ -315,9 +316,16 @@ class Speculator:
     def _plan(self, requests: list[Request], rooms: list[int], num_plain_tokens: int,
               budget: int) -> None:
         candidates: list[_Candidate] = []
+        looked: list[Request] = []  # requests whose proposers ran this step
         for request, room in zip(requests, rooms, strict=True):
             request.clear_drafts()
             k = self._wants(request, room)
+            if k and request.spec_state.lookups_to_skip > 0:  # backing off
+                request.spec_state.lookups_to_skip -= 1
+                self.stats.num_skipped_lookups += 1
+                continue
+            if k:
+                looked.append(request)
             if k and (candidate := self._candidate(request, k)) is not None:
                 for c in (candidate, candidate.fallback):
                     if c is None:
@@ -332,6 +340,18 @@ class Speculator:
                     c.room = min(room, params.k) if params and params.k is not None \
                         else room
                 candidates.append(candidate)
+        try:
+            self._grant(candidates, requests, num_plain_tokens, budget)
+        finally:
+            for request in looked:  # the back-off follows what was drafted
+                state = request.spec_state
+                drafted = bool(request.spec_token_ids) or state.model_k > 0
+                state.idle_lookups = 0 if drafted else state.idle_lookups + 1
+                state.lookups_to_skip = lookups_to_skip(state.idle_lookups)
+
+    def _grant(self, candidates: list[_Candidate], requests: list[Request],
+               num_plain_tokens: int, budget: int) -> None:
+        """The policy's drafts for this step's ``candidates``, written to their requests."""
         if not candidates:
             return
         weights = [self._token_weight(c.request) for c in candidates]

@@ -35,6 +35,21 @@ SOURCES = ("ngram", "suffix", "recycling", "draft", "head")
 RECYCLING_PRIOR = 0.3
 
 
+# Lookup back-off: after IDLE_BEFORE_BACKOFF proposals in a row that drafted nothing, a
+# request skips one lookup between two, then two, up to MAX_LOOKUP_SKIP (a match is found
+# at most that many steps late); any drafted step looks every step again. Where drafts do
+# not pay (a big batch, text that never repeats) the proposers' per-step cost (~0.08 ms a
+# request for the suffix tries on a 2-core EPYC, a tenth of a step on a GPU) then mostly
+# goes away.
+IDLE_BEFORE_BACKOFF = 8
+MAX_LOOKUP_SKIP = 3
+
+
+def lookups_to_skip(idle_lookups: int) -> int:
+    """Lookups a request skips after ``idle_lookups`` undrafted proposals in a row."""
+    return min(idle_lookups // IDLE_BEFORE_BACKOFF, MAX_LOOKUP_SKIP)
+
+
 def prior(source: str) -> float:
     """A new acceptance estimate for ``source`` when nothing was measured yet."""
     return RECYCLING_PRIOR if source == "recycling" else AcceptanceTracker.alpha
@@ -55,6 +70,10 @@ class RequestSpecState:
     # step copied a whole prompt's features per request per step)
     head_feature_chunks: list[torch.Tensor] = field(default_factory=list)
     head_features_start: int = 0
+    # lookup back-off (Speculator._plan): proposals in a row that were not drafted (nothing
+    # found, or refused by the policy), and lookups still to skip before the next one
+    idle_lookups: int = 0
+    lookups_to_skip: int = 0
     num_head_features: int = 0  # rows in head_feature_chunks, counted as they come: summed
     # on every add, a request's cost grew with its steps (chunks pile up while the head
     # does not draft, e.g. at C=8)
@@ -82,6 +101,7 @@ class RequestSpecState:
         self.draft_cache_valid = 0
         self.head_valid = 0
         self.drop_features(0)
+        self.idle_lookups = self.lookups_to_skip = 0
 
     def head_features(self) -> torch.Tensor | None:
         """The kept features ``[m, 3h]`` (positions from ``head_features_start``), or None."""
@@ -117,3 +137,4 @@ class RequestSpecState:
                                                              num_computed_tokens)
         assert self.model_k == 0 and self.verifying is None, (self.model_k, self.verifying)
         assert self.num_head_features == sum(len(c) for c in self.head_feature_chunks)
+        assert 0 <= self.lookups_to_skip <= MAX_LOOKUP_SKIP and self.idle_lookups >= 0
