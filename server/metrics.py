@@ -52,6 +52,9 @@ COUNTERS = {
                                     "chain).", "spec_num_tree_steps"),
     "spec_decode_num_tree_nodes": ("Draft tokens of those trees (tree size = this / "
                                    "num_tree_drafts).", "spec_num_tree_nodes"),
+    "spec_decode_num_skipped_lookups": ("Proposals not made: requests whose proposals kept "
+                                        "drafting nothing look up less often.",
+                                        "spec_num_skipped_lookups"),
     "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
                              "prefix_cache_queries"),
     "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
