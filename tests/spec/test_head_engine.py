@@ -137,3 +137,37 @@ def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
         assert spec.generate([prompt], params)[0].token_ids == want
     assert spec.kv.num_free_blocks == free
     assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
+
+
+@pytest.mark.parametrize("method", ["head", "combined"])
+def test_head_trees_on_the_triton_backend_equal_no_speculation(target: Path, head_dir: Path,
+                                                               method: str) -> None:
+    """The path a GPU runs: Triton kernels (the interpreter on a CPU, compiled on a GPU) with
+    graphs on; the head's steps (features wanted, tree masks) run eagerly beside graph
+    replays. fp32 greedy equals the torch path without speculation."""
+    from dataclasses import replace
+
+    import torch
+
+    from quickdraft.engine.backend import select_backend
+    from quickdraft.kernels import triton_common
+
+    if not torch.cuda.is_available() and not triton_common.INTERPRET:
+        pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = EngineConfig(model=str(target), dtype="float32", device=device,
+                          speculation=method, draft_head=str(head_dir),
+                          measure_step_cost=False, num_kv_blocks=96, block_size=5,
+                          max_model_len=512, cuda_graph_max_tokens=8, num_threads=1)
+    backend = replace(select_backend(replace(config, kernel_backend="triton")),
+                      cuda_graphs=True)
+    spec = LLMEngine(config, progress=False, backend=backend)
+    plain = LLMEngine(replace(config, speculation="off", draft_head=None), progress=False)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    free = spec.kv.num_free_blocks
+    for prompt in PROMPTS[:2]:
+        assert spec.generate([prompt], params)[0].token_ids == \
+            plain.generate([prompt], params)[0].token_ids
+    assert spec.kv.num_free_blocks == free
+    assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
+    assert spec.speculator.stats.num_tree_steps > 0 or method == "combined"
