@@ -79,7 +79,8 @@ def generate(model: Any, prompts: Sequence[list[int]], *, max_new_tokens: int,
     answers: list[list[int] | None] = [None] * len(prompts)
     started, done, tokens, last_batch_s = time.monotonic(), 0, 0, 0.0
     for start in range(0, len(order), batch_size):
-        if time.monotonic() + last_batch_s > deadline:  # the next batch would overrun
+        # the next batch would overrun (>=: a zero budget starts nothing)
+        if time.monotonic() + last_batch_s >= deadline:
             log(f"{desc}: time budget spent after {done} of {len(prompts)} prompts")
             break
         batch_started = time.monotonic()
@@ -250,8 +251,6 @@ def run_on_device(config: Any) -> dict[str, Any]:
         keys = [c[0]["content"] if len(c) == 1 else json.dumps(c) for c in conversations]
         todo = [(k, c) for k, c in dict(zip(keys, conversations, strict=True)).items()
                 if k not in done]
-        if budget_share is not None and config.max_generate_minutes == 0:
-            todo = []  # no answering budget at all
         ids = [chat(c) for _k, c in todo]
         outs = generate(model, ids, max_new_tokens=config.max_new_tokens,
                         batch_size=config.generate_batch, eos_ids=eos, pad_id=pad,
