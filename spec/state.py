@@ -39,8 +39,8 @@ RECYCLING_PRIOR = 0.3
 # request skips one lookup between two, then two, up to MAX_LOOKUP_SKIP (a match is found
 # at most that many steps late); any drafted step looks every step again. Where drafts do
 # not pay (a big batch, text that never repeats) the proposers' per-step cost (~0.08 ms a
-# request for the suffix tries on a 2-core EPYC, a tenth of a step on a GPU) then mostly
-# goes away.
+# request for the suffix tries on a 2-core AVX512-BF16 EPYC, a tenth of a step on an H200)
+# then mostly goes away.
 IDLE_BEFORE_BACKOFF = 8
 MAX_LOOKUP_SKIP = 3
 
