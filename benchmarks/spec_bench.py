@@ -249,6 +249,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="draft head for the head/combined methods: auto (a shipped head "
                         "trained on this model), none, or a head directory")
     p.add_argument("--prompts", type=Path, default=PROMPTS_PATH)
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   help="GPU: cuBLAS and tuned attention tiles (speculation equal to plain "
+                   "decoding only up to rounding)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="most drafts a request verifies a step (default: the engine's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--kernel-backend", default="auto", choices=list(KERNEL_BACKENDS),
                    help="auto (triton on CUDA, else torch), torch or triton (default auto)")
@@ -295,6 +300,9 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
                           speculation="combined" if uses_draft else "ngram",
                           num_threads=args.threads, device=args.device,
                           kernel_backend=args.kernel_backend,
+                          batch_invariant=args.batch_invariant,
+                          **({} if args.num_speculative_tokens is None else
+                             {"num_speculative_tokens": args.num_speculative_tokens}),
                           # every method reruns the same prompts: cache hits would favour
                           # whichever method runs second
                           enable_prefix_caching=False)

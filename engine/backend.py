@@ -12,6 +12,10 @@ through a small interface:
   :mod:`kernels.triton_ops` (RMSNorm, RoPE, SiLU·up) and :mod:`kernels.triton_rejection`.
   Its per-step metadata lives on the device and has fixed shapes per batch bucket, so its
   decode and verification steps can be captured as CUDA graphs (:mod:`engine.cuda_graphs`).
+  Batch-invariant by default (``EngineConfig.batch_invariant``,
+  :mod:`kernels.triton_invariant`): linear layers through a fixed-tile Triton GEMM instead of
+  cuBLAS, attention in one tile shape without split-KV, chain drafts only, so that
+  speculation's output is plain decoding's in bf16 too.
   On CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``): slow, for tests.
 
 ``auto`` picks triton on CUDA when triton imports, torch otherwise. The choice and the reason
@@ -54,11 +58,18 @@ class KernelBackend:
     rejection_sample: Callable[..., Any]  # spec.rejection_sampler.rejection_sample's signature
     cuda_graphs: bool
     reason: str
+    # every linear layer's matmul, (x [rows, in], weight, bias) -> [rows, out]; None: the
+    # model's own (F.linear, or the CPU kernels)
+    linear: Callable[..., Any] | None = None
+    # whether verification may take token trees; False: each tree's best path (a chain),
+    # where only a chain's rows get plain decoding's bits (kernels/triton_invariant.py)
+    verify_trees: bool = True
 
     def describe(self) -> dict[str, Any]:
         """What ``/health`` and the start-up log report."""
         return {"kernel_backend": self.name, "device": str(self.device),
-                "cuda_graphs": self.cuda_graphs, "reason": self.reason}
+                "cuda_graphs": self.cuda_graphs, "batch_invariant": self.linear is not None,
+                "reason": self.reason}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,7 +136,7 @@ def select_backend(config: EngineConfig) -> KernelBackend:
     choice = decide(config.kernel_backend, device, config.cuda_graphs,
                     triton_ok=triton_ok, interpreting=interpreting)
     if choice.name == "triton":
-        backend = _triton_backend(device, choice)
+        backend = _triton_backend(device, choice, config.batch_invariant)
     else:
         from quickdraft.kernels import torch_attention
         from quickdraft.spec.rejection_sampler import rejection_sample
@@ -136,10 +147,19 @@ def select_backend(config: EngineConfig) -> KernelBackend:
     return backend
 
 
-def _triton_backend(device: torch.device, choice: BackendChoice) -> KernelBackend:
+def _triton_backend(device: torch.device, choice: BackendChoice,
+                    batch_invariant: bool) -> KernelBackend:
     from quickdraft.kernels import triton_attention, triton_ops, triton_rejection
 
     ops = LayerOps(triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.rope_neox_,
                    triton_ops.silu_mul)
-    return KernelBackend("triton", device, triton_attention, ops,
-                         triton_rejection.rejection_sample, choice.cuda_graphs, choice.reason)
+    if not batch_invariant:
+        return KernelBackend("triton", device, triton_attention, ops,
+                             triton_rejection.rejection_sample, choice.cuda_graphs,
+                             choice.reason + "; not batch-invariant (batch_invariant=False)")
+    from quickdraft.kernels import triton_invariant
+
+    return KernelBackend("triton", device, triton_invariant, ops,
+                         triton_rejection.rejection_sample, choice.cuda_graphs,
+                         choice.reason + "; batch-invariant (chain drafts only)",
+                         linear=triton_invariant.linear, verify_trees=False)

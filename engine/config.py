@@ -51,6 +51,11 @@ class EngineConfig:
     # Capture decode/verification steps as CUDA graphs (only on CUDA with the triton backend).
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = 256  # largest captured step, in tokens (bucketed below it)
+    # triton backend: give every row the same bits whatever its batch (fixed-tile GEMM and
+    # attention, no split-KV, chain drafts only), so that speculation's output is exactly
+    # plain decoding's in bf16 too (kernels/triton_invariant.py). False: cuBLAS, tuned
+    # attention tiles and tree drafts, faster but only equal up to rounding.
+    batch_invariant: bool = True
     # off | ngram | suffix | recycling | draft | head | combined | auto (draft needs
     # draft_model, head a draft head; combined takes per request and step the suffix tree or
     # the draft head's / draft model's chain, whichever expects more accepted tokens). auto

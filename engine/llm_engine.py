@@ -118,7 +118,8 @@ class LLMEngine:
         self.speculator = Speculator(
             self.speculation, config.num_speculative_tokens, config.ngram_min,
             config.ngram_max, policy, self.kv, self.draft, self.max_model_len,
-            vocab_size=self.runner.vocab_size, head=self.head)
+            vocab_size=self.runner.vocab_size, head=self.head,
+            verify_trees=self.runner.backend.verify_trees)
         # the scheduler decides who runs with how many drafts; the speculator follows it
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.priority_aging_s,

@@ -62,6 +62,8 @@ def load_model(model_dir: Any, hf_config: Any, dtype: torch.dtype, max_model_len
         model.init_random_weights(seed)
     if backend.layer_ops is not None:
         model.use_layer_ops(backend.layer_ops)
+    if backend.linear is not None:
+        model.use_linear_kernel(backend.linear)
     elif (backend.device.type == "cpu" and dtype == torch.bfloat16
           and cpu_gemv.available()):
         model.enable_cpu_fast_path(cpu_gemv.linear_bf16)

@@ -118,6 +118,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "native CPU kernels)")
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode/verification steps eagerly instead of replaying graphs")
+    g.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   help="GPU: cuBLAS and tuned attention tiles instead of the batch-invariant "
+                   "kernels (faster; speculation then equals plain decoding only up to "
+                   "rounding)")
     g.add_argument("--weights", default="auto", choices=list(WEIGHT_FORMATS),
                    help="int4-q8: run a GGUF's Q4_0/Q4_1/Q4_K layers on their 4-bit blocks "
                    "with 8-bit activations (CPU, bfloat16; cheap verification rows); int4: "
@@ -135,7 +139,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         draft_head=None if args.draft_head == "none" else args.draft_head,
         num_speculative_tokens=args.num_speculative_tokens,
         enable_prefix_caching=args.prefix_caching, device=args.device,
-        kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs, weights=args.weights)
+        kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs,
+        batch_invariant=args.batch_invariant, weights=args.weights)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -125,8 +125,12 @@ class Speculator:
     def __init__(self, method: str, max_k: int, ngram_min: int, ngram_max: int,
                  policy: SpeculationPolicy, kv: KVCacheManager | None = None,
                  draft: DraftModelRunner | None = None, max_model_len: int = 1 << 30,
-                 vocab_size: int = 0, head: DraftHeadRunner | None = None) -> None:
+                 vocab_size: int = 0, head: DraftHeadRunner | None = None,
+                 verify_trees: bool = True) -> None:
+        """``verify_trees`` False: every step verifies chains (each tree's best path), for a
+        kernel backend where only a chain's rows get plain decoding's bits."""
         self.method = method
+        self.verify_trees = verify_trees
         self.max_k = max_k
         self.proposer = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
         # suffix tries (per request, per tenant); None without gcc: "suffix" drafts n-grams
@@ -361,8 +365,9 @@ class Speculator:
         # Tree verification takes one-hot drafts only: a step where a sampled request
         # verifies draft-model (or head) distributions verifies chains (each tree's best
         # path; the head drafts a chain).
-        chains_only = any(c.tree is None and not c.request.sampling_params.greedy
-                          for c, k in zip(candidates, ks, strict=True) if k)
+        chains_only = not self.verify_trees or any(
+            c.tree is None and not c.request.sampling_params.greedy
+            for c, k in zip(candidates, ks, strict=True) if k)
         self._chains_only = chains_only
         num_tokens = num_plain_tokens + sum(ks)
         for c, k in zip(candidates, ks, strict=True):

@@ -113,12 +113,13 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with CPU fast paths for bf16.
+    """``y = x W^T + b`` with batch-invariant fast paths (CPU bf16, and the GPU's GEMM:
+    :meth:`LlamaForCausalLM.use_linear_kernel`).
 
     torch's bf16 GEMM on CPUs without native bf16 (AVX2) costs about one GEMV per row, and
     its result for a row depends on how many rows it is given. After
-    :meth:`enable_cpu_fast_path` every row count goes through the bf16 GEMV kernel
-    (``kernels.cpu_gemv``: 8 rows per pass over the weights, cache-sized weight tiles for
+    :meth:`LlamaForCausalLM.enable_cpu_fast_path` every row count goes through the bf16 GEMV
+    kernel (``kernels.cpu_gemv``: 8 rows per pass over the weights, cache-sized weight tiles for
     more; accumulates in fp32 and rounds once to bf16, like torch's bf16 linear, and gives a
     row the same bits whatever the other rows). With 4-bit weights attached and enabled
     (:meth:`LlamaForCausalLM.attach_int4_weights`), their kernel runs instead (torch's int4
@@ -135,7 +136,9 @@ class Linear(nn.Module):
         self.int4: FourBitWeight | None = None  # 4-bit copy of the weight (FOUR_BIT_KERNELS)
         self.use_int4 = False  # multiply by it instead of the dense weight
 
-    def enable_cpu_fast_path(self, gemv: Any) -> None:
+    def use_matmul(self, gemv: Any) -> None:
+        """Multiply with ``gemv(x, weight, bias)`` instead of ``F.linear`` (4-bit copies,
+        where enabled, still take precedence)."""
         self.gemv = gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
@@ -323,8 +326,15 @@ class LlamaForCausalLM(nn.Module):
             self.ops = FUSED_CPU_OPS
         for module in self.modules():
             if isinstance(module, Linear):
-                module.enable_cpu_fast_path(gemv)
+                module.use_matmul(gemv)
         self._bind_native_layers()
+
+    def use_linear_kernel(self, linear: Any) -> None:
+        """Every linear layer (the LM head too) multiplies with ``linear(x, weight, bias)``,
+        e.g. the GPU's batch-invariant GEMM (:mod:`kernels.triton_invariant`)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_matmul(linear)
 
     def use_native_layers(self, enabled: bool) -> None:
         """Allow (default) or forbid whole layers in one native call (:mod:`kernels.cpu_layer`;

@@ -54,6 +54,7 @@ def test_without_a_gpu():
     backend = select_backend(EngineConfig())
     assert backend.describe() == {
         "kernel_backend": "torch", "device": "cpu", "cuda_graphs": False,
+        "batch_invariant": False,
         "reason": "auto: cpu device (the Triton kernels need CUDA); no CUDA graphs (not on CUDA)"}
     with pytest.raises(ConfigError, match="no CUDA GPU"):
         resolve_device("cuda")
@@ -65,6 +66,22 @@ def test_forced_triton_under_the_interpreter():
 
     if not triton_common.INTERPRET and not torch.cuda.is_available():
         pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
-    backend = select_backend(EngineConfig(kernel_backend="triton"))
+    backend = select_backend(EngineConfig(kernel_backend="triton", batch_invariant=False))
     assert backend.name == "triton" and backend.layer_ops is not None
     assert backend.attention.__name__ == "quickdraft.kernels.triton_attention"
+    assert backend.linear is None and backend.verify_trees
+
+
+def test_triton_is_batch_invariant_by_default():
+    """The default triton backend: the fixed-tile GEMM for every linear layer, attention
+    without split-KV, chains only (kernels/triton_invariant.py); /health says so."""
+    pytest.importorskip("triton")
+    from quickdraft.kernels import triton_common, triton_invariant, triton_matmul
+
+    if not triton_common.INTERPRET and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 (tests/conftest.py sets it without a GPU)")
+    backend = select_backend(EngineConfig(kernel_backend="triton"))
+    assert backend.attention is triton_invariant and backend.linear is triton_matmul.linear
+    assert not backend.verify_trees
+    described = backend.describe()
+    assert described["batch_invariant"] is True and "batch-invariant" in described["reason"]

@@ -69,10 +69,12 @@ def triton_interpreting() -> bool:
 
 @pytest.fixture(scope="module")
 def config(tiny_model_dir) -> EngineConfig:
-    # max_model_len 512: the graphs use 2 KV splits (split-KV path); block size 5 is odd
+    # max_model_len 512: the graphs use 2 KV splits (split-KV path, without batch
+    # invariance); block size 5 is odd
     return EngineConfig(model=str(tiny_model_dir), dtype="float32", device=DEVICE,
                         num_kv_blocks=96, block_size=5, max_model_len=512,
-                        cuda_graph_max_tokens=8, measure_step_cost=False, num_threads=1)
+                        cuda_graph_max_tokens=8, measure_step_cost=False, num_threads=1,
+                        batch_invariant=False)
 
 
 def test_triton_backend_and_graphs_equal_the_torch_path(config):
@@ -88,6 +90,21 @@ def test_triton_backend_and_graphs_equal_the_torch_path(config):
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
 
 
+def test_batch_invariant_speculation_equals_plain_decoding_in_bf16(config):
+    """The GPU path's promise in its default dtype: with the batch-invariant kernels, greedy
+    bf16 output with suffix speculation (chains only: no tree step) equals plain decoding
+    on the same backend, 4 staggered requests, graphs on. (Under the interpreter the dots are
+    numpy's; on a GPU this runs the compiled kernels, where it is the real check.)"""
+    config = replace(config, dtype="bfloat16", batch_invariant=True, speculation="suffix")
+    params = [SamplingParams(temperature=0, max_tokens=12)] * len(PROMPTS)
+    spec, engine = run(config, True, params)
+    plain, _ = run(replace(config, speculation="off"), True, params)
+    assert spec == plain
+    stats = engine.speculator.stats
+    assert stats.num_tree_steps == 0 and not engine.speculator.verify_trees
+    assert stats.by_source.get("suffix", [0])[0] > 0  # drafts were verified
+
+
 def test_graphs_without_speculation(config):
     config = replace(config, speculation="off")
     params = [SamplingParams(temperature=0, max_tokens=6)] * len(PROMPTS)
@@ -101,9 +118,11 @@ def test_default_model_fast_path_equals_reference_path(default_model_dir):
     """The embedded default model (fp32 greedy): prefill through the Triton kernels, decode by
     graph replay, against the torch reference path. Under the interpreter one SmolLM2 decode
     step takes ~2.5 s, so the prompt and the answer are short."""
+    # (the batch-invariant GEMM would run the 49152-row LM head through the interpreter)
     config = EngineConfig(model=str(default_model_dir), dtype="float32", device=DEVICE,
                           num_kv_blocks=32, max_model_len=128, speculation="off",
-                          cuda_graph_max_tokens=1, measure_step_cost=False, num_threads=1)
+                          cuda_graph_max_tokens=1, measure_step_cost=False, num_threads=1,
+                          batch_invariant=torch.cuda.is_available())
     params = SamplingParams(temperature=0, max_tokens=6)
 
     def answer(engine: LLMEngine) -> list[int]:

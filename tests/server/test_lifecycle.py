@@ -73,7 +73,8 @@ def test_health_503_while_loading_then_200(tiny_model_dir):
         assert body["status"] == "ready"
         # the kernel backend chosen at start-up, and why
         backend = body["backend"]
-        assert set(backend) == {"kernel_backend", "device", "cuda_graphs", "reason"}
+        assert set(backend) == {"kernel_backend", "device", "cuda_graphs", "batch_invariant",
+                                "reason"}
         if not torch.cuda.is_available():  # the torch path on CPU
             assert backend["kernel_backend"] == "torch" and backend["device"] == "cpu"
             assert backend["cuda_graphs"] is False and "cpu" in backend["reason"]

@@ -158,7 +158,8 @@ def test_head_trees_on_the_triton_backend_equal_no_speculation(target: Path, hea
     config = EngineConfig(model=str(target), dtype="float32", device=device,
                           speculation=method, draft_head=str(head_dir),
                           measure_step_cost=False, num_kv_blocks=96, block_size=5,
-                          max_model_len=512, cuda_graph_max_tokens=8, num_threads=1)
+                          max_model_len=512, cuda_graph_max_tokens=8, num_threads=1,
+                          batch_invariant=False)  # (the batch-invariant mode drafts chains)
     backend = replace(select_backend(replace(config, kernel_backend="triton")),
                       cuda_graphs=True)
     spec = LLMEngine(config, progress=False, backend=backend)
