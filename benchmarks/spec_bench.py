@@ -321,11 +321,16 @@ def main(argv: list[str] | None = None) -> None:
     prompts = {c: [engine.apply_chat_template(m) for m in args.all_prompts[c]] for c in cats}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
-    # warm-up (allocator, kernels, every batch shape up to the largest concurrency)
-    warm = SamplingParams(max_tokens=8, temperature=0.0)
+    # warm-up (allocator, kernels, every batch shape up to the largest concurrency), long
+    # enough to draft and verify: on a GPU each kernel variant a step needs first (the
+    # rejection sampler, eager verification shapes, the head's ops) compiles on first use,
+    # which costs about as much as a whole category's run (H200, 2026-11-26)
+    warm = SamplingParams(max_tokens=32, temperature=0.0)
     for method in tqdm(methods, desc="warm-up", leave=False):
         for c in concs:
             run_category(engine, prompts[cats[0]], c, warm, f"warm-{method}-{c}", method)
+        for cat in cats[1:]:
+            run_category(engine, prompts[cat][:1], 1, warm, f"warm-{method}-{cat}", method)
 
     # runs[(cat, c)][method] = list over repeats
     runs: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {
