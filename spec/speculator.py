@@ -397,8 +397,10 @@ class Speculator:
                 state.in_flight_depth = k
                 continue
             tree = c.tree.top_nodes(c.scores, k)
-            if chains_only and not tree.is_chain:
-                tree = TokenTree.from_chain(_best_path(c.tree, c.scores, k))
+            if chains_only and (not tree.is_chain or len(tree) > self.max_k):
+                # a chain holds at most max_k drafts (what a CUDA graph's rows allow; a
+                # tree's nodes may be more, since only one path of them is accepted)
+                tree = TokenTree.from_chain(_best_path(c.tree, c.scores, min(k, self.max_k)))
             c.request.spec_token_ids = list(tree.token_ids)
             c.request.spec_tree = None if tree.is_chain else tree
             state.in_flight_depth = tree.max_depth

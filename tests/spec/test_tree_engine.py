@@ -106,3 +106,19 @@ def test_real_model_greedy_equal_with_trees(default_model_dir, dtype):
             plain.generate([prompt], params)[0].token_ids
     assert spec.speculator.stats.num_accepted > 0
     assert _tree_steps(spec) > 0
+
+
+@pytest.mark.parametrize("method", [*METHODS, "suffix"])
+def test_chains_only_backend_verifies_at_most_k_drafts(plain, tiny_model_dir, method):
+    """A backend that verifies chains only (the GPU's batch-invariant mode) gets each tree's
+    best path cut at the engine's k: its CUDA graphs hold 1 + k rows a request, so a longer
+    chain would run eagerly. Output still equals no speculation."""
+    spec = make_engine(tiny_model_dir, method)
+    spec.speculator.verify_trees = False
+    k = spec.config.num_speculative_tokens
+    for prompt in PROMPTS:
+        assert spec.generate([prompt], GREEDY)[0].token_ids == \
+            plain.generate([prompt], GREEDY)[0].token_ids
+    stats = spec.speculator.stats
+    assert _tree_steps(spec) == 0 and sum(stats.drafted_per_position[:k]) > 0
+    assert not any(stats.drafted_per_position[k:])
