@@ -60,12 +60,12 @@ def load_model(model_dir: Any, hf_config: Any, dtype: torch.dtype, max_model_len
     model = model.to(backend.device).eval()
     if model_dir is None:
         model.init_random_weights(seed)
-    if backend.layer_ops is not None:
-        model.use_layer_ops(backend.layer_ops)
     if backend.linear is not None:
         model.use_linear_kernel(backend.linear)
-    elif (backend.device.type == "cpu" and dtype == torch.bfloat16
-          and cpu_gemv.available()):
+    if backend.layer_ops is not None:
+        model.use_layer_ops(backend.layer_ops)
+    elif (backend.linear is None and backend.device.type == "cpu"
+          and dtype == torch.bfloat16 and cpu_gemv.available()):
         model.enable_cpu_fast_path(cpu_gemv.linear_bf16)
     log.info("loaded weights of %s in %.2fs", model_dir or "(random)",
              time.perf_counter() - start)

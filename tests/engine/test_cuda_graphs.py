@@ -155,3 +155,23 @@ def test_real_cuda_graphs_equal_the_torch_path(default_model_dir):
     assert engine.backend.cuda_graphs
     assert generate(engine, params) == want
     assert engine.runner.graphs is not None and engine.runner.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["tuned", "batch-invariant"])
+def test_triton_model_runs_the_backends_kernels(config, invariant):
+    """bf16 on the triton backend: the layer ops are Triton's (never the fused CPU ops, also
+    under the interpreter on a CPU), and every linear layer multiplies with the backend's
+    GEMM (the batch-invariant one) or F.linear (tuned)."""
+    from quickdraft.engine.models.llama import Linear
+    from quickdraft.kernels import triton_matmul
+
+    if not torch.cuda.is_available() and not triton_interpreting():
+        pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
+    config = replace(config, dtype="bfloat16", batch_invariant=invariant, cuda_graphs=False,
+                     kernel_backend="triton")
+    engine = LLMEngine(config, progress=False)
+    model = engine.runner.model
+    assert model.ops is engine.runner.backend.layer_ops
+    want = triton_matmul.linear if invariant else None
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.gemv is want for m in linears)
