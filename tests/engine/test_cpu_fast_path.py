@@ -21,7 +21,7 @@ def test_fast_path_matches_fp32_reference(rows, bias):
         layer.weight.normal_()
         if layer.bias is not None:
             layer.bias.normal_()
-    layer.enable_cpu_fast_path(cpu_gemv.linear_bf16)
+    layer.use_matmul(cpu_gemv.linear_bf16)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     got = layer(x)
     b = layer.bias.float() if layer.bias is not None else None
