@@ -17,10 +17,14 @@ pending, target features known for positions ``< n - 1``):
    tree no deeper than the drafts the policy granted). Each round takes the best
    ``k // (rounds + 1)`` candidates into the tree and feeds them (with their parent's
    ``o`` and their token, rotated at ``base`` + depth, ``base = n - 2`` the root pair's
-   position) to learn their children. Only the new nodes are computed: their K/V stay
-   in the search (never in the paged cache, so the reserved slots are untouched and
-   nothing unverified is cached) and each attends to the request's cached positions
-   ``[0, base]`` plus its own path (tree attention in torch: a round has a few rows).
+   position) to learn their children. Only the new nodes are computed. Node ``i``'s K/V
+   go to the head's own cache in the slot of flat position ``base + 1 + i`` (the pending
+   token's slot and the drafts' reserved ones, as in the target's tree verification);
+   those positions are ``>= d``, so nothing there is trusted and the next catch-up
+   overwrites them. A round is one paged tree-attention call of the backend: every node
+   fed so far is a tree row over the request's cached positions ``[0, base]``, with
+   its path as its ancestor mask (rows fed in earlier rounds get a zero query; their
+   outputs are dropped).
 3. fill: the best remaining candidates complete the tree to ``k`` nodes (leaves).
 
 Greedy requests get a tree; sampled requests a chain drawn from the head's own ``q`` (the
@@ -187,42 +191,28 @@ class DraftHeadRunner:
         attn = self.attention.paged_attention(q, self.kv_cache, meta, self.scale)  # [R, H, D]
         return self.head.finish_layer(attn.reshape(-1, self.head.q_size), hidden)
 
-    def _context(self, inp: HeadInput, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's cached ``(k, v)`` of a request's positions ``[0, length)`` (verified
-        pairs, written by catch-ups) as float32 ``[KVH, length, D]``."""
-        bs = self.block_size
-        pos = torch.arange(length, device=self.embed.device)
-        table = torch.tensor(inp.block_table, device=self.embed.device)
-        slots = table[pos // bs] * bs + pos % bs
-        flat = self.kv_cache.view(2, -1, self.kv_heads, self.head_dim)
-        kv = flat[:, slots].float().transpose(1, 2)  # [2, KVH, length, D]
-        return kv[0], kv[1]
-
-    def _tree_attention(self, q: torch.Tensor, s: _Search, nodes: list[int]) -> torch.Tensor:
-        """Attention of tree ``nodes``' queries ``q [r, H, D]`` over the request's context
-        (verified positions up to the root pair's) and each node's own path (its ancestors
-        and itself, K/V in ``s.keys``/``s.values``), as the paged tree kernels would see it
-        had the nodes been fed after the root. -> ``[r, H, D]``."""
-        assert s.context is not None
-        k_ctx, v_ctx = s.context  # [KVH, L, D]
-        order = list(s.keys)  # fed nodes, in feeding order
-        keys = torch.cat([k_ctx, torch.stack([s.keys[n] for n in order], 1).float()], 1)
-        values = torch.cat([v_ctx, torch.stack([s.values[n] for n in order], 1).float()], 1)
-        index = {n: i for i, n in enumerate(order)}
-        visible = torch.zeros(len(nodes), len(order), dtype=torch.bool)
-        for row, node in enumerate(nodes):
-            cur = node
-            while cur >= 0:
-                visible[row, index[cur]] = True
-                cur = s.parents[cur]
-        mask = torch.cat([torch.ones(len(nodes), k_ctx.shape[1], dtype=torch.bool), visible],
-                         dim=1).to(q.device)  # [r, L + F]
-        r, group = len(nodes), self.heads // self.kv_heads
-        qg = q.float().view(r, self.kv_heads, group, self.head_dim)
-        scores = torch.einsum("rkgd,kld->kgrl", qg, keys) * self.scale  # [KVH, G, r, L + F]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.einsum("kgrl,kld->rkgd", torch.softmax(scores, dim=-1), values)
-        return out.reshape(r, self.heads, self.head_dim).to(q.dtype)
+    def _round_plan(self, active: list[_Search]) -> StepPlan:
+        """One drafting round's tree step: for each search, every node fed so far (nodes
+        ``[0, m)``, ``m`` = its last pending node + 1: all of them fed, in this round or an
+        earlier one) as a tree row after the cached positions ``[0, base]``."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        tree_mask: list[int] = []
+        for s in active:
+            m = s.pending[-1] + 1
+            masks: list[int] = []
+            for node in range(m):
+                parent = s.parents[node]
+                masks.append((masks[parent] if parent >= 0 else 0) | 1 << node)
+            input_ids += s.tokens[:m]
+            positions += [s.base + s.depth[node] for node in range(m)]
+            tree_mask += masks
+            query_start_loc.append(query_start_loc[-1] + m)
+            seq_lens.append(s.base + 1 + m)
+        return StepPlan(input_ids, positions, query_start_loc, seq_lens,
+                        [s.inp.block_table for s in active], [], [], tree_mask)
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V_d] float32
         return torch.log_softmax(self.head.logits(out).float(), dim=-1)
@@ -248,27 +238,26 @@ class DraftHeadRunner:
         first = self._log_probs(out[last])  # [A, V_d]
         for search, lp in zip(roots, first, strict=True):
             search.expand(-1, lp, self)
-        # 2. rounds: feed the best candidates (outside the paged cache), learn their children
+        # 2. rounds: feed the best candidates (K/V at their node slots), learn their children
         rounds = max(s.rounds for s in roots)
         for round_index in range(rounds):
             active = [s for s in roots if s.take_round(round_index)]
             if not active:
                 break
-            for s in active:
-                if s.context is None:  # positions up to the root pair's, written above
-                    s.context = self._context(s.inp, s.base + 1)
             rows = [(s, node) for s in active for node in s.pending]
             hidden = torch.stack([s.parent_out(n) for s, n in rows])  # [r, h]
             q, k, v = self._qkv(hidden, [s.tokens[n] for s, n in rows],
                                 [s.base + s.depth[n] for s, n in rows])
-            for i, (s, node) in enumerate(rows):
-                s.keys[node], s.values[node] = k[i], v[i]
-            attn, start = [], 0
-            for s in active:
-                r = len(s.pending)
-                attn.append(self._tree_attention(q[start:start + r], s, s.pending))
-                start += r
-            out = head.finish_layer(torch.cat(attn).reshape(len(rows), head.q_size), hidden)
+            plan = self._round_plan(active)
+            meta = plan.attention_metadata(self.block_size, device)
+            fed = torch.tensor([plan.query_start_loc[a] + node for a, s in enumerate(active)
+                                for node in s.pending], device=device)  # [r] flat rows
+            self.attention.write_kv(k, v, self.kv_cache, meta.slot_mapping[fed])
+            q_rows = q.new_zeros(plan.num_tokens, *q.shape[1:])  # [rows, H, D]
+            q_rows[fed] = q
+            attn = self.attention.paged_attention(q_rows, self.kv_cache, meta,
+                                                  self.scale)[fed]  # [r, H, D]
+            out = head.finish_layer(attn.reshape(len(rows), head.q_size), hidden)
             lps = self._log_probs(out)
             for i, ((s, node), lp) in enumerate(zip(rows, lps, strict=True)):
                 s.outputs[node] = out[i]
@@ -323,9 +312,6 @@ class _Search:
         self.rounds = min(ROUNDS, depth - 1) if self.branching else inp.k - 1
         self.root_out = root_out  # the root pair's output: the first draft's distribution
         self.base = inp.start_pos + len(inp.next_token_ids) - 1  # the root pair's position
-        self.context: tuple[torch.Tensor, torch.Tensor] | None = None  # head K/V [0, base]
-        self.keys: dict[int, torch.Tensor] = {}  # fed node -> its K [KVH, D] (feed order)
-        self.values: dict[int, torch.Tensor] = {}
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depth: list[int] = []
