@@ -193,15 +193,16 @@ class DraftHeadRunner:
 
     def _round_plan(self, active: list[_Search]) -> StepPlan:
         """One drafting round's tree step: for each search, every node fed so far (nodes
-        ``[0, m)``, ``m`` = its last pending node + 1: all of them fed, in this round or an
-        earlier one) as a tree row after the cached positions ``[0, base]``."""
+        ``[0, num_fed)``, in this round or an earlier one: fed nodes are a prefix of the
+        tree's nodes, asserted in :meth:`_Search.take_round`) as a tree row after the cached
+        positions ``[0, base]``."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         tree_mask: list[int] = []
         for s in active:
-            m = s.pending[-1] + 1
+            m = s.num_fed
             masks: list[int] = []
             for node in range(m):
                 parent = s.parents[node]
@@ -319,6 +320,8 @@ class _Search:
         self.q: list[torch.Tensor] = []  # sampled chains: the head's q per node
         self.outputs: dict[int, torch.Tensor] = {}  # fed node -> its output o
         self.pending: list[int] = []  # fed this round, children not known yet
+        # nodes fed in any round: always nodes [0, num_fed) (their K/V at node slots)
+        self.num_fed = 0
         self.heap: list[tuple[float, int, int, int]] = []  # (-score, order, parent, token)
         self._order = 0
 
@@ -363,7 +366,11 @@ class _Search:
         while self.heap and len(self.pending) < limit and len(self.tokens) < k:
             node = self._add_best()
             if len(self.tokens) < k:  # room for its children: feed it (at most k - 1 fed)
+                # invariant: fed nodes are a prefix (only the k-th node is ever left unfed,
+                # and no node follows it), so a round's rows are nodes [0, num_fed)
+                assert node == self.num_fed, (node, self.num_fed)
                 self.pending.append(node)
+                self.num_fed += 1
         return bool(self.pending)
 
     def finish(self) -> HeadOutput:
