@@ -42,33 +42,55 @@
 #define QD_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 
 /* Round rows x rows of x (bf16 [rows, k]) to int8 blocks: xq [rows, k], sx and sumx
- * [rows, k / 32]. Scalar and elementwise, so identical on every CPU (rows split between
- * threads for prefill chunks). */
-static void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq, float* sx,
-                          float* sumx, int threads) {
+ * [rows, k / 32]. Per block of 32: amax = max |x| (NaNs skipped), sx = amax / 127,
+ * q = clamp(round-to-nearest-even(x * (127 / amax)), -127, 127), sumx = sx * sum(q).
+ * Elementwise AVX2 on every CPU kind (the same instructions and roundings on both, lane by
+ * lane: a scalar loop computing the same formula gives the same bits), rows split between
+ * threads for prefill chunks. */
+static QD_AVX2 void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq, float* sx,
+                                  float* sumx, int threads) {
     const int groups = k / 32;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
     for (int r = 0; r < rows; r++) {
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for (int g = 0; g < groups; g++) {
             const uint16_t* src = x + (size_t)r * k + (size_t)g * 32;
-            float v[32], amax = 0.0f;
-            for (int j = 0; j < 32; j++) {
-                v[j] = bf16_to_f32(src[j]);
-                float a = fabsf(v[j]);
-                amax = a > amax ? a : amax;
+            __m256 v[4];
+            __m256 amax = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                const __m128i h = _mm_loadu_si128((const __m128i*)(src + 8 * j));
+                v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                /* max(|x|, amax): the second operand wins on a NaN, so NaNs are skipped */
+                amax = _mm256_max_ps(_mm256_and_ps(v[j], abs_mask), amax);
             }
-            const float scale = amax / 127.0f;
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t* dst = xq + (size_t)r * k + (size_t)g * 32;
-            int total = 0;
-            for (int j = 0; j < 32; j++) {
-                int q = (int)nearbyintf(v[j] * inv);
-                q = q > 127 ? 127 : (q < -127 ? -127 : q);
-                dst[j] = (int8_t)q;
-                total += q;
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float block_max = _mm_cvtss_f32(m4);
+            const float scale = block_max / 127.0f;
+            const __m256 inv = _mm256_set1_ps(block_max > 0.0f ? 127.0f / block_max : 0.0f);
+            __m256i q[4];
+            __m256i total = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256 t = _mm256_round_ps(_mm256_mul_ps(v[j], inv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[j] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(t),
+                                                         _mm256_set1_epi32(127)),
+                                        _mm256_set1_epi32(-127));
+                total = _mm256_add_epi32(total, q[j]);
             }
+            /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
+            const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                      _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i*)(xq + (size_t)r * k + (size_t)g * 32),
+                                _mm256_permutevar8x32_epi32(packed, order));
+            __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total),
+                                       _mm256_extracti128_si256(total, 1));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
             sx[(size_t)r * groups + g] = scale;
-            sumx[(size_t)r * groups + g] = scale * (float)total;
+            sumx[(size_t)r * groups + g] = scale * (float)_mm_cvtsi128_si32(t4);
         }
     }
 }
