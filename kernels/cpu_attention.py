@@ -120,6 +120,13 @@ def native_entry_points() -> dict[str, int] | None:
     return {"write_attend": ctypes.cast(fn, ctypes.c_void_p).value or 0}
 
 
+# Threads are offered once a call has this many (row, kv head) lanes: one decode row of a
+# 3-kv-head model is 3 tasks, which 2 threads finish in two task times instead of three
+# (the kernel itself stays serial below QD_PAR_CTX positions of work). A lane's arithmetic
+# does not depend on how tasks are spread over threads.
+_PARALLEL_LANES = 2
+
+
 def _mask_ptr(tree_mask: torch.Tensor, num_tokens: int) -> int | None:
     """The C pointer of ``tree_mask``, or None when the kernel does not take it (not a CPU
     contiguous int64 ``[num_tokens]`` vector). Its bits are checked on the C side."""
@@ -173,7 +180,7 @@ def _run(
     rc = lib.ragged(query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
                     seq_lens.data_ptr(), qsl_ptr, mask_ptr, out.data_ptr(), num_seqs,
                     num_tokens, heads, kv_heads, dim, block_size, num_blocks, max_blocks, scale,
-                    torch.get_num_threads() if num_tokens * kv_heads >= 4 else 1)
+                    torch.get_num_threads() if num_tokens * kv_heads >= _PARALLEL_LANES else 1)
     return out if rc == 0 else None
 
 
@@ -252,6 +259,6 @@ def write_kv_and_attend(
                           kv_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
                           query_start_loc.data_ptr(), mask_ptr, out.data_ptr(), num_seqs,
                           num_tokens, heads, kv_heads, dim, block_size, num_blocks, max_blocks,
-                          scale,
-                          torch.get_num_threads() if num_tokens * kv_heads >= 4 else 1)
+                          scale, torch.get_num_threads()
+                          if num_tokens * kv_heads >= _PARALLEL_LANES else 1)
     return out if rc == 0 else None

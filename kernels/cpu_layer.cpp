@@ -174,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
                    static_cast<int>(heads), static_cast<int>(kv_heads),
                    static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
                    static_cast<int>(kv_cache.size(1)), static_cast<int>(tables.size(1)),
-                   static_cast<float>(scale), rows * kv_heads >= 4 ? threads : 1);
+                   static_cast<float>(scale), rows * kv_heads >= 2 ? threads : 1);  // as cpu_attention.py
     check(rc == 0, "attention kernel rejected the step (bad slot, block id, layout or mask)");
 
     at::Tensor o = mm(attn, o_w, threads);
