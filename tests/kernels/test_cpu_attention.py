@@ -294,6 +294,18 @@ def test_ragged_threads_do_not_change_bits() -> None:
     assert torch.equal(one, two)
 
 
+@needs_kernel
+@pytest.mark.parametrize("ctx", [300, 1024])
+def test_one_decode_row_on_two_threads_keeps_its_bits(ctx: int) -> None:
+    """A lone decode row of a 3-kv-head model (3 lanes: since 2026-11-27 enough to be
+    offered threads, `_PARALLEL_LANES`) gives the same bits on 1 and 2 threads."""
+    q, kv, bt, sl, qsl, _ = _ragged_case([1], [ctx], 16, 9, 3, 64, seed=6)
+    assert cpu_attention._PARALLEL_LANES <= 3
+    one = _with_threads(1, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.125)
+    two = _with_threads(2, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.125)
+    assert one is not None and torch.equal(one, two)
+
+
 @pytest.mark.parametrize("variant", ["float32", "strided_query", "int64_qsl", "dim_12",
                                      "dim_264", "strided_qsl"])
 def test_ragged_declines_inputs_it_does_not_take(variant: str) -> None:
