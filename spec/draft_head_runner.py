@@ -203,13 +203,12 @@ class DraftHeadRunner:
         tree_mask: list[int] = []
         for s in active:
             m = s.num_fed
-            masks: list[int] = []
-            for node in range(m):
-                parent = s.parents[node]
-                masks.append((masks[parent] if parent >= 0 else 0) | 1 << node)
-            input_ids += s.tokens[:m]
-            positions += [s.base + s.depth[node] for node in range(m)]
-            tree_mask += masks
+            fed = TokenTree(tuple(s.tokens[:m]), tuple(s.parents[:m]))
+            # the verifier's rows and masks without its root row (here the root pair is
+            # cached context): node i's mask keeps bit i + 1 -> bit i
+            input_ids += fed.token_ids
+            positions += fed.positions(s.base)[1:]
+            tree_mask += [mask >> 1 for mask in fed.row_masks()[1:]]
             query_start_loc.append(query_start_loc[-1] + m)
             seq_lens.append(s.base + 1 + m)
         return StepPlan(input_ids, positions, query_start_loc, seq_lens,
