@@ -22,6 +22,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu_cpu_dispatch.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -188,6 +190,89 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     return {mm(act, down_w, threads), r2};
 }
 
+// The draft head's one layer (spec/draft_head.py: layer_input, attention, finish_layer), in
+// the same kernels and order as its Python form over these weights:
+//
+//   x      = [rms_norm(emb, in_norm) | rms_norm(hidden, hidden_norm)]   [T, 2 hidden]
+//   qkv    = mm(x, qkv_w); rope in place; attn = write_kv_and_attend(qkv, kv_cache, meta)
+//   a      = hidden + mm(attn, o_w)
+//   return a + mm(silu_mul(mm(rms_norm(a, post_norm), gate_up_w)), down_w)
+//
+// weights: in_norm, hidden_norm, qkv, o, post_norm, gate_up, down (each matrix 2 tensors for
+// ATen's int4 kernel or 3 for q4q8: 11 or 15 in all); meta as decoder_layer's.
+at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::TensorList weights,
+                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                      at::TensorList meta, int64_t heads, int64_t kv_heads, double eps,
+                      double scale) {
+    check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
+    const size_t nw = weights.size();
+    check(nw == 11 || nw == 15, "expected 11 or 15 head weights");
+    const bool q4q8 = nw == 15;
+    check(!q4q8 || q4q8_fn != nullptr, "the q4q8 kernel is not available");
+    const size_t per = q4q8 ? 3 : 2;
+    auto matrix = [&](size_t first) {
+        return Matrix{{&weights[first], &weights[first + 1], &weights[first + per - 1]}, q4q8};
+    };
+    const Matrix qkv_w = matrix(2), o_w = matrix(2 + per), gate_up_w = matrix(3 + 2 * per),
+                 down_w = matrix(3 + 3 * per);
+    const at::Tensor& post_norm = weights[2 + 2 * per];
+    check(meta.size() == 5, "expected 5 metadata tensors");
+    for (const at::Tensor* t : {&emb, &hidden})
+        check(t->dim() == 2 && t->is_contiguous() && t->scalar_type() == at::kBFloat16,
+              "emb and hidden must be contiguous bf16 [rows, hidden] matrices");
+    check(emb.sizes() == hidden.sizes(), "emb and hidden differ in shape");
+    const int64_t rows = emb.size(0);
+    const int threads = at::get_num_threads();
+    const int small_threads = rows > par_rows ? threads : 1;
+    const at::Tensor none;
+
+    auto [e, e_unused] = add_rms_norm(emb, none, weights[0], eps, small_threads);
+    auto [g, g_unused] = add_rms_norm(hidden, none, weights[1], eps, small_threads);
+    at::Tensor qkv = mm(at::cat({e, g}, 1), qkv_w, threads);  // [T, (H + 2 KVH) * D]
+    const int64_t width = qkv.size(1), d = width / (heads + 2 * kv_heads);
+    check(d * (heads + 2 * kv_heads) == width && cos.numel() == rows * d
+              && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous()
+              && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+          "qkv width or rope tables do not fit the heads");
+    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
+              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
+          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
+    int rc = rope_fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), static_cast<int>(rows),
+                     static_cast<int>(heads + kv_heads), static_cast<int>(d), width, d,
+                     small_threads);
+    check(rc == 0, "rope kernel failed");
+    const at::Tensor& slots = meta[0];
+    const at::Tensor& tables = meta[1];
+    const at::Tensor& lens = meta[2];
+    const at::Tensor& qsl = meta[3];
+    const int64_t* tree_mask = nullptr;
+    if (meta[4].numel() > 0) {
+        check(meta[4].scalar_type() == at::kLong && meta[4].is_cpu()
+                  && meta[4].is_contiguous() && meta[4].numel() == rows,
+              "tree_mask must be a contiguous int64 [rows] vector");
+        tree_mask = meta[4].data_ptr<int64_t>();
+    }
+    at::Tensor attn = bf16_empty(rows, heads * d);
+    rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
+                   kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                   qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
+                   static_cast<int>(lens.size(0)), static_cast<int>(rows),
+                   static_cast<int>(heads), static_cast<int>(kv_heads),
+                   static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
+                   static_cast<int>(kv_cache.size(1)), static_cast<int>(tables.size(1)),
+                   static_cast<float>(scale), rows * kv_heads >= 2 ? threads : 1);
+    check(rc == 0, "attention kernel rejected the step (bad slot, block id, layout or mask)");
+    at::Tensor a = at::add(hidden, mm(attn, o_w, threads));
+    auto [h2, h2_unused] = add_rms_norm(a, none, post_norm, eps, small_threads);
+    at::Tensor gate_up = mm(h2, gate_up_w, threads);  // [T, 2 * inter]
+    const int64_t inter = gate_up.size(1) / 2;
+    at::Tensor act = bf16_empty(rows, inter);
+    rc = silu_fn(gate_up.data_ptr(), act.data_ptr(), static_cast<int>(rows),
+                 static_cast<int>(inter), static_cast<int>(silu_vec_block), small_threads);
+    check(rc == 0, "silu_mul kernel failed");
+    return at::add(a, mm(act, down_w, threads));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quickdraft_cpu, m) {
@@ -196,10 +281,14 @@ TORCH_LIBRARY(quickdraft_cpu, m) {
     m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor cos, "
           "Tensor sin, Tensor(a!) kv_cache, Tensor[] meta, int heads, int kv_heads, "
           "float eps, float scale) -> (Tensor, Tensor)");
+    m.def("head_layer(Tensor emb, Tensor hidden, Tensor[] weights, Tensor cos, Tensor sin, "
+          "Tensor(a!) kv_cache, Tensor[] meta, int heads, int kv_heads, float eps, "
+          "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quickdraft_cpu, CompositeExplicitAutograd, m) {
     m.impl("decoder_layer", &decoder_layer);
+    m.impl("head_layer", &head_layer);
 }
 
 TORCH_LIBRARY_IMPL(quickdraft_cpu, CatchAll, m) {

@@ -148,3 +148,35 @@ def decoder_layer(x: torch.Tensor,  # [T, hidden] bf16: the previous sub-layer's
     except (RuntimeError, ValueError):
         return None
     return out
+
+
+def head_layer_weights(input_norm: torch.Tensor, hidden_norm: torch.Tensor,
+                       qkv: tuple[torch.Tensor, ...], o: tuple[torch.Tensor, ...],
+                       post_norm: torch.Tensor, gate_up: tuple[torch.Tensor, ...],
+                       down: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """:func:`head_layer`'s weight list: the draft head's norms (bf16 ``[hidden]``) and its
+    four matrices, each as :func:`layer_weights` takes them (all four the same kind)."""
+    if len({len(qkv), len(o), len(gate_up), len(down)}) != 1 or len(qkv) not in (2, 3):
+        raise ValueError("the four matrices must be all int4 (2 tensors) or all q4q8 (3)")
+    return [input_norm, hidden_norm, *qkv, *o, post_norm, *gate_up, *down]
+
+
+def head_layer(emb: torch.Tensor,  # [T, hidden] bf16: the embeddings of the rows' tokens
+               hidden: torch.Tensor,  # [T, hidden] bf16: fused features or parent outputs
+               weights: list[torch.Tensor],  # from head_layer_weights
+               cos_sin: tuple[torch.Tensor, torch.Tensor],  # [T, head_dim] each
+               kv_cache: torch.Tensor,  # the head's [2, blocks, block_size, kv_heads, d]
+               meta: AttentionMetadata, heads: int, kv_heads: int, eps: float,
+               scale: float) -> torch.Tensor | None:
+    """The draft head's layer output ``[T, hidden]`` (``spec/draft_head.py``: the same
+    kernels in the same order as its Python form), its K/V written at ``meta``'s slots;
+    None when the native side declines (the attention kernel rejects the step)."""
+    mask = _NO_MASK if meta.tree_mask is None else meta.tree_mask
+    tensors = [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, mask]
+    try:
+        out: torch.Tensor = torch.ops.quickdraft_cpu.head_layer(
+            emb, hidden, weights, cos_sin[0], cos_sin[1], kv_cache, tensors, heads, kv_heads,
+            eps, scale)
+    except (RuntimeError, ValueError):
+        return None
+    return out

@@ -47,13 +47,18 @@ from quickdraft.engine.models.llama import Linear, LlamaForCausalLM
 from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.engine.step_plan import StepPlan
-from quickdraft.kernels import cpu_int4, cpu_q4q8
+from quickdraft.kernels import cpu_int4, cpu_layer, cpu_q4q8
+from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.spec.draft_head import DraftHead
 from quickdraft.spec.token_tree import TokenTree
 
 ROUNDS = 3  # rounds after the catch-up (so a tree is at most ROUNDS + 1 deep)
 CHILDREN = 4  # candidates taken from each fed node's distribution
 HEAD_LINEARS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
+# A native round recomputes every node fed so far (the new ones are what it is for): worth it
+# while the q4q8 kernel's cost stays flat in rows (to ~8: 20 % off a depth-4 proposal at
+# batch 1; a batch of 8 requests' trees ran 7 % slower natively, 2-core AVX512-BF16 EPYC).
+NATIVE_ROUND_MAX_ROWS = 8
 INT4_MAX_ROWS = 4  # torch's int4 CPU kernel costs ~a GEMV per row: dense beyond this
 # (the q4q8 kernel unpacks each 4-bit block once for 8 rows: it takes every row count)
 
@@ -129,6 +134,9 @@ class DraftHeadRunner:
         self.head.rms_norm = target.ops.rms_norm
         self.head.silu_mul = target.ops.silu_mul
         self.rope = target.ops.rope
+        # the layer in one native call (kernels.cpu_layer.head_layer) where the target runs
+        # its own layers natively on q4q8 weights; None: the Python layer
+        self.native = self._native_weights(target)
 
     def _use_target_kernels(self, target: LlamaForCausalLM) -> str:
         """Run the head's matrices the way the target runs its own (chosen by measurement at
@@ -150,6 +158,24 @@ class DraftHeadRunner:
                     if kind != "gemv" and module.supports(*weight.shape) else None)
             setattr(self.head, name, HeadLinear(weight, int4, ref.gemv))
         return kind
+
+    def _native_weights(self, target: LlamaForCausalLM) -> list[torch.Tensor] | None:
+        """The weight list of :func:`kernels.cpu_layer.head_layer`, when the target's layers
+        run natively on q4q8 weights (bf16 on the CPU) and the head's four layer matrices
+        have q4q8 copies; else None. (Not on torch's int4 kernel: the native rounds recompute
+        every fed node, and that kernel costs about a GEMV per row.)"""
+        head = self.head
+        linears = [head.qkv, head.o, head.gate_up, head.down]
+        if self.kernel != "int4-q8" or not any(
+                getattr(layer, "native", None) is not None for layer in target.layers) \
+                or not all(isinstance(lin, HeadLinear) and isinstance(
+                    lin.int4, cpu_q4q8.Q4Q8Weight) for lin in linears):
+            return None
+        parts = [(w.codes, w.d, w.m) for w in (lin.int4 for lin in linears)
+                 if isinstance(w, cpu_q4q8.Q4Q8Weight)]
+        return cpu_layer.head_layer_weights(head.input_norm.detach(), head.hidden_norm.detach(),
+                                            parts[0], parts[1], head.post_norm.detach(),
+                                            parts[2], parts[3])
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -181,12 +207,29 @@ class DraftHeadRunner:
         k = self.rope(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
         return q, k, v.reshape(-1, self.kv_heads, self.head_dim)
 
+    def _native_layer(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
+                      meta: AttentionMetadata) -> torch.Tensor | None:
+        """The layer over every row of ``plan`` in one native call, K/V written at the
+        rows' slots: ``hidden [R, h]`` -> ``o [R, h]``; None where it does not run."""
+        if self.native is None:
+            return None
+        device = self.embed.device
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        emb = torch.nn.functional.embedding(ids, self.embed)  # [R, h]
+        cos_sin = self.rotary.cos_sin(torch.tensor(plan.positions, device=device))
+        return cpu_layer.head_layer(emb, hidden.contiguous(), self.native, cos_sin,
+                                    self.kv_cache, meta, self.heads, self.kv_heads,
+                                    self.head.config.rms_norm_eps, self.scale)
+
     def _forward(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
                  ) -> torch.Tensor:
         """One head layer over a flat batch of verified pairs, writing their K/V into the
         paged cache: ``hidden [R, h]`` -> outputs ``o [R, h]``."""
-        q, k, v = self._qkv(hidden, token_ids, plan.positions)
         meta = plan.attention_metadata(self.block_size, self.embed.device)
+        out = self._native_layer(hidden, token_ids, plan, meta)
+        if out is not None:
+            return out
+        q, k, v = self._qkv(hidden, token_ids, plan.positions)
         self.attention.write_kv(k, v, self.kv_cache, meta.slot_mapping)
         attn = self.attention.paged_attention(q, self.kv_cache, meta, self.scale)  # [R, H, D]
         return self.head.finish_layer(attn.reshape(-1, self.head.q_size), hidden)
@@ -213,6 +256,33 @@ class DraftHeadRunner:
             seq_lens.append(s.base + 1 + m)
         return StepPlan(input_ids, positions, query_start_loc, seq_lens,
                         [s.inp.block_table for s in active], [], [], tree_mask)
+
+    def _round_native(self, active: list[_Search], plan: StepPlan, meta: AttentionMetadata,
+                      fed: torch.Tensor) -> torch.Tensor | None:
+        """A round's new nodes' outputs ``[r, h]`` (flat rows ``fed``) from one native call
+        over every fed node, earlier rounds' recomputed and their K/V rewritten with the
+        same values (a few more rows cost the q4q8 kernel little); None where it does not
+        run."""
+        if self.native is None or plan.num_tokens > NATIVE_ROUND_MAX_ROWS:
+            return None
+        hidden = torch.stack([s.parent_out(n) for s in active for n in range(s.num_fed)])
+        out = self._native_layer(hidden, plan.input_ids, plan, meta)
+        return None if out is None else out[fed]
+
+    def _round_python(self, rows: list[tuple[_Search, int]], plan: StepPlan,
+                      meta: AttentionMetadata, fed: torch.Tensor) -> torch.Tensor:
+        """A round's new nodes' outputs ``[r, h]`` (``rows``: (search, node); flat rows
+        ``fed``), computing only them: earlier rounds' rows get a zero query."""
+        head = self.head
+        hidden = torch.stack([s.parent_out(n) for s, n in rows])  # [r, h]
+        q, k, v = self._qkv(hidden, [s.tokens[n] for s, n in rows],
+                            [s.base + s.depth[n] for s, n in rows])
+        self.attention.write_kv(k, v, self.kv_cache, meta.slot_mapping[fed])
+        q_rows = q.new_zeros(plan.num_tokens, *q.shape[1:])  # [rows, H, D]
+        q_rows[fed] = q
+        attn = self.attention.paged_attention(q_rows, self.kv_cache, meta,
+                                              self.scale)[fed]  # [r, H, D]
+        return head.finish_layer(attn.reshape(len(rows), head.q_size), hidden)
 
     def _log_probs(self, out: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V_d] float32
         return torch.log_softmax(self.head.logits(out).float(), dim=-1)
@@ -245,19 +315,12 @@ class DraftHeadRunner:
             if not active:
                 break
             rows = [(s, node) for s in active for node in s.pending]
-            hidden = torch.stack([s.parent_out(n) for s, n in rows])  # [r, h]
-            q, k, v = self._qkv(hidden, [s.tokens[n] for s, n in rows],
-                                [s.base + s.depth[n] for s, n in rows])
             plan = self._round_plan(active)
             meta = plan.attention_metadata(self.block_size, device)
             fed = torch.tensor([plan.query_start_loc[a] + node for a, s in enumerate(active)
                                 for node in s.pending], device=device)  # [r] flat rows
-            self.attention.write_kv(k, v, self.kv_cache, meta.slot_mapping[fed])
-            q_rows = q.new_zeros(plan.num_tokens, *q.shape[1:])  # [rows, H, D]
-            q_rows[fed] = q
-            attn = self.attention.paged_attention(q_rows, self.kv_cache, meta,
-                                                  self.scale)[fed]  # [r, H, D]
-            out = head.finish_layer(attn.reshape(len(rows), head.q_size), hidden)
+            native = self._round_native(active, plan, meta, fed)
+            out = native if native is not None else self._round_python(rows, plan, meta, fed)
             lps = self._log_probs(out)
             for i, ((s, node), lp) in enumerate(zip(rows, lps, strict=True)):
                 s.outputs[node] = out[i]

@@ -139,6 +139,81 @@ def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
     assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
 
 
+def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
+                                                               default_model_dir: Path) -> None:
+    """On q4q8 weights (the default model in bf16) the head's layer runs in one native call
+    (kernels.cpu_layer.head_layer), rounds recomputing every fed node: the same kernels in
+    the same order as the Python layer, so the same trees and chains with the same scores,
+    bit for bit, at batch 1 and 2; and greedy serving with it equals no speculation."""
+    import torch
+
+    from quickdraft.engine import loader
+    from quickdraft.engine.models.llama import ModelShape
+    from quickdraft.kernels import cpu_layer, cpu_q4q8
+    from quickdraft.spec.draft_head import (
+        DraftHead,
+        DraftHeadConfig,
+        model_fingerprint,
+        save_head,
+    )
+    from quickdraft.spec.draft_head_runner import HeadInput
+
+    if not cpu_q4q8.available() or not cpu_layer.available():
+        pytest.skip("no q4q8 kernel or native layer here")
+    shape = ModelShape.from_config(loader.load_config(default_model_dir))
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(shape, model_fingerprint(default_model_dir),
+                                                512))
+    save_head(head, tmp_path)
+
+    def engine(speculation: str, draft_head: str | None) -> LLMEngine:
+        return LLMEngine(EngineConfig(dtype="bfloat16", weights="int4-q8",
+                                      draft_head=draft_head, speculation=speculation,
+                                      measure_step_cost=False), progress=False)
+
+    spec = engine("head", str(tmp_path))
+    runner = spec.head
+    assert runner is not None and runner.native is not None
+    g = torch.Generator().manual_seed(1)
+    width = len(runner.aux_layers) * shape.hidden_size
+    feats = torch.randn(30, width, generator=g)
+    tokens = torch.randint(0, shape.vocab_size, (31,), generator=g).tolist()
+    inputs = [HeadInput(feats, tokens[1:], 0, 8, tuple(range(4)),
+                        SamplingParams(temperature=0.0), None, max_depth=4),
+              HeadInput(feats[:20], tokens[1:21], 0, 4, tuple(range(4, 8)),
+                        SamplingParams(temperature=0.0), None, tree=False)]  # 3 rounds
+    for batch in (inputs[:1], inputs):
+        native = runner.propose(batch)
+        weights, runner.native = runner.native, None
+        try:
+            python = runner.propose(batch)
+        finally:
+            runner.native = weights
+        for a, b in zip(native, python, strict=True):
+            assert a.tree == b.tree and a.scores == b.scores and len(a.tree) > 1
+    assert native[1].tree.max_depth == 4  # (this untrained head's tree is flat)
+    # a step the attention kernel rejects (a block id out of range): None, nothing written
+    from quickdraft.kernels.attention_metadata import build_metadata
+
+    kv = torch.zeros(2, 4, 16, runner.kv_heads, runner.head_dim, dtype=torch.bfloat16)
+    meta = build_metadata([0, 2], [2], [[7]], 16)
+    rows = torch.randn(2, shape.hidden_size).bfloat16()
+    with torch.inference_mode():
+        out = cpu_layer.head_layer(rows, rows, runner.native,
+                                   runner.rotary.cos_sin(torch.arange(2)), kv, meta,
+                                   runner.heads, runner.kv_heads, shape.rms_norm_eps,
+                                   runner.scale)
+    assert out is None and not kv.any()
+    plain = engine("off", None)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    free = spec.kv.num_free_blocks
+    for prompt in PROMPTS[:2]:
+        assert spec.generate([prompt], params)[0].token_ids == \
+            plain.generate([prompt], params)[0].token_ids
+    assert spec.kv.num_free_blocks == free
+    assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
+
+
 @pytest.mark.parametrize("method", ["head", "combined"])
 def test_head_trees_on_the_triton_backend_equal_no_speculation(target: Path, head_dir: Path,
                                                                method: str) -> None:
