@@ -17,15 +17,20 @@ pending, target features known for positions ``< n - 1``):
    tree no deeper than the drafts the policy granted). Each round takes the best
    ``k // (rounds + 1)`` candidates into the tree and feeds them (with their parent's
    ``o`` and their token, rotated at ``base`` + depth, ``base = n - 2`` the root pair's
-   position) to learn their children. Only the new nodes are computed. Node ``i``'s K/V
-   go to the head's own cache in the slot of flat position ``base + 1 + i`` (the pending
-   token's slot and the drafts' reserved ones, as in the target's tree verification);
-   those positions are ``>= d``, so nothing there is trusted and the next catch-up
-   overwrites them. A round is one paged tree-attention call of the backend: every node
-   fed so far is a tree row over the request's cached positions ``[0, base]``, with
-   its path as its ancestor mask (rows fed in earlier rounds get a zero query; their
-   outputs are dropped).
+   position) to learn their children. Node ``i``'s K/V go to the head's own cache in the
+   slot of flat position ``base + 1 + i`` (the pending token's slot and the drafts'
+   reserved ones, as in the target's tree verification); those positions are ``>= d``, so
+   nothing there is trusted and the next catch-up overwrites them. A round is one paged
+   tree-attention call: every node fed so far is a tree row over the request's cached
+   positions ``[0, base]``, with its path as its ancestor mask. On q4q8 weights (bf16 on
+   the CPU) the whole layer is one native call (:func:`kernels.cpu_layer.head_layer`)
+   that recomputes every fed node (earlier rounds' K/V rewritten with the same values;
+   rounds of at most ``NATIVE_ROUND_MAX_ROWS`` rows); elsewhere only the new nodes are
+   computed and earlier rounds' rows get a zero query. Either way only the new nodes'
+   outputs are kept.
 3. fill: the best remaining candidates complete the tree to ``k`` nodes (leaves).
+
+The search itself (candidates, rounds, the tree) is :class:`spec.head_search.HeadSearch`.
 
 Greedy requests get a tree; sampled requests a chain drawn from the head's own ``q`` (the
 request's temperature and filters over the draft vocabulary, zero elsewhere), which the
@@ -34,9 +39,7 @@ rejection sampler verifies against the target exactly.
 
 from __future__ import annotations
 
-import heapq
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,10 +53,11 @@ from quickdraft.engine.step_plan import StepPlan
 from quickdraft.kernels import cpu_int4, cpu_layer, cpu_q4q8
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.spec.draft_head import DraftHead
+from quickdraft.spec.head_search import HeadInput, HeadOutput, HeadSearch
 from quickdraft.spec.token_tree import TokenTree
 
-ROUNDS = 3  # rounds after the catch-up (so a tree is at most ROUNDS + 1 deep)
-CHILDREN = 4  # candidates taken from each fed node's distribution
+__all__ = ["DraftHeadRunner", "HeadInput", "HeadLinear", "HeadOutput"]
+
 HEAD_LINEARS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
 # A native round recomputes every node fed so far (the new ones are what it is for): worth it
 # while the q4q8 kernel's cost stays flat in rows (to ~8: 20 % off a depth-4 proposal at
@@ -83,30 +87,6 @@ class HeadLinear(torch.nn.Module):
         if self.gemv is not None:
             return self.gemv(x, self.weight, None)
         return torch.nn.functional.linear(x, self.weight)
-
-
-@dataclass(frozen=True)
-class HeadInput:
-    """One request's share of a propose call."""
-
-    features: torch.Tensor  # [m, 3h] target features of positions [start_pos, start_pos + m)
-    next_token_ids: list[int]  # [m] the token after each of those positions
-    start_pos: int
-    k: int  # nodes wanted (slots reserved after the pending token)
-    block_table: tuple[int, ...]
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    tree: bool = True  # False: a chain even for a greedy request
-    # deepest node of a greedy tree: the drafts the policy granted, priced as a chain of
-    # that depth (None: ROUNDS + 1). A tree of depth d costs the catch-up and d - 1 rounds.
-    max_depth: int | None = None
-
-
-@dataclass(frozen=True)
-class HeadOutput:
-    tree: TokenTree  # at most k nodes (a chain for sampled requests)
-    probs: torch.Tensor | None  # [nodes, vocab] the head's q (sampled requests), else None
-    scores: tuple[float, ...] = ()  # greedy: each node's path log-probability under the head
 
 
 class DraftHeadRunner:
@@ -234,10 +214,10 @@ class DraftHeadRunner:
         attn = self.attention.paged_attention(q, self.kv_cache, meta, self.scale)  # [R, H, D]
         return self.head.finish_layer(attn.reshape(-1, self.head.q_size), hidden)
 
-    def _round_plan(self, active: list[_Search]) -> StepPlan:
+    def _round_plan(self, active: list[HeadSearch]) -> StepPlan:
         """One drafting round's tree step: for each search, every node fed so far (nodes
         ``[0, num_fed)``, in this round or an earlier one: fed nodes are a prefix of the
-        tree's nodes, asserted in :meth:`_Search.take_round`) as a tree row after the cached
+        tree's nodes, asserted in :meth:`HeadSearch.take_round`) as a tree row after the cached
         positions ``[0, base]``."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -257,7 +237,7 @@ class DraftHeadRunner:
         return StepPlan(input_ids, positions, query_start_loc, seq_lens,
                         [s.inp.block_table for s in active], [], [], tree_mask)
 
-    def _round_native(self, active: list[_Search], plan: StepPlan, meta: AttentionMetadata,
+    def _round_native(self, active: list[HeadSearch], plan: StepPlan, meta: AttentionMetadata,
                       fed: torch.Tensor) -> torch.Tensor | None:
         """A round's new nodes' outputs ``[r, h]`` (flat rows ``fed``) from one native call
         over every fed node, earlier rounds' recomputed and their K/V rewritten with the
@@ -269,7 +249,7 @@ class DraftHeadRunner:
         out = self._native_layer(hidden, plan.input_ids, plan, meta)
         return None if out is None else out[fed]
 
-    def _round_python(self, rows: list[tuple[_Search, int]], plan: StepPlan,
+    def _round_python(self, rows: list[tuple[HeadSearch, int]], plan: StepPlan,
                       meta: AttentionMetadata, fed: torch.Tensor) -> torch.Tensor:
         """A round's new nodes' outputs ``[r, h]`` (``rows``: (search, node); flat rows
         ``fed``), computing only them: earlier rounds' rows get a zero query."""
@@ -303,7 +283,7 @@ class DraftHeadRunner:
         fused = head.fc(features)  # [R, h]
         out = self._forward(fused, plan.input_ids, plan)
         last = torch.tensor(plan.logits_indices, device=device)
-        roots = [_Search(inp, out[row]) for inp, row in
+        roots = [HeadSearch(inp, out[row]) for inp, row in
                  zip(inputs, plan.logits_indices, strict=True)]
         first = self._log_probs(out[last])  # [A, V_d]
         for search, lp in zip(roots, first, strict=True):
@@ -361,83 +341,3 @@ class DraftHeadRunner:
         self.propose([inp] * batch)
         synchronize(self.embed.device)
         return time.perf_counter() - start
-
-
-class _Search:
-    """One request's best-first tree search (host side)."""
-
-    def __init__(self, inp: HeadInput, root_out: torch.Tensor) -> None:
-        self.inp = inp
-        self.greedy = inp.sampling_params.greedy
-        self.branching = self.greedy and inp.tree
-        depth = ROUNDS + 1 if inp.max_depth is None else max(inp.max_depth, 1)
-        # rounds of feeding: a tree of depth d needs d - 1 (a chain of k nodes, k - 1)
-        self.rounds = min(ROUNDS, depth - 1) if self.branching else inp.k - 1
-        self.root_out = root_out  # the root pair's output: the first draft's distribution
-        self.base = inp.start_pos + len(inp.next_token_ids) - 1  # the root pair's position
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.depth: list[int] = []
-        self.scores: list[float] = []  # log-probability of the node's path
-        self.q: list[torch.Tensor] = []  # sampled chains: the head's q per node
-        self.outputs: dict[int, torch.Tensor] = {}  # fed node -> its output o
-        self.pending: list[int] = []  # fed this round, children not known yet
-        # nodes fed in any round: always nodes [0, num_fed) (their K/V at node slots)
-        self.num_fed = 0
-        self.heap: list[tuple[float, int, int, int]] = []  # (-score, order, parent, token)
-        self._order = 0
-
-    def parent_out(self, node: int) -> torch.Tensor:
-        parent = self.parents[node]
-        return self.root_out if parent < 0 else self.outputs[parent]
-
-    def expand(self, node: int, log_probs: torch.Tensor, runner: DraftHeadRunner) -> None:
-        """Candidates below ``node`` (-1: the root) from its distribution."""
-        base = self.scores[node] if node >= 0 else 0.0
-        if not self.greedy:  # a chain: one sampled child
-            token, q = runner.sample_child(log_probs, self.inp)
-            self._push(base, node, token)
-            self.q.append(q)
-            return
-        top = torch.topk(log_probs, CHILDREN if self.branching else 1)
-        ids = runner.draft_to_target[top.indices].tolist()
-        for lp, token in zip(top.values.tolist(), ids, strict=True):
-            self._push(base + lp, node, token)
-
-    def _push(self, score: float, parent: int, token: int) -> None:
-        heapq.heappush(self.heap, (-score, self._order, parent, token))
-        self._order += 1
-
-    def _add_best(self) -> int:
-        neg, _, parent, token = heapq.heappop(self.heap)
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
-        self.scores.append(-neg)
-        return len(self.tokens) - 1
-
-    def take_round(self, index: int) -> bool:
-        """Add this round's best candidates to the tree and mark those with room left for
-        children to be fed; False when nothing is to be fed. A greedy tree of ``k`` nodes
-        takes ``k // (rounds + 1)`` a round (the rest are leaves), a chain one; after its
-        ``rounds`` rounds (``index`` counts from 0), none."""
-        k = self.inp.k
-        if index >= self.rounds:
-            return False
-        limit = max(1, k // (self.rounds + 1)) if self.branching else 1
-        while self.heap and len(self.pending) < limit and len(self.tokens) < k:
-            node = self._add_best()
-            if len(self.tokens) < k:  # room for its children: feed it (at most k - 1 fed)
-                # invariant: fed nodes are a prefix (only the k-th node is ever left unfed,
-                # and no node follows it), so a round's rows are nodes [0, num_fed)
-                assert node == self.num_fed, (node, self.num_fed)
-                self.pending.append(node)
-                self.num_fed += 1
-        return bool(self.pending)
-
-    def finish(self) -> HeadOutput:
-        while self.heap and len(self.tokens) < self.inp.k:
-            self._add_best()
-        tree = TokenTree(tuple(self.tokens), tuple(self.parents))
-        probs = torch.stack(self.q[:len(self.tokens)]) if self.q and self.tokens else None
-        return HeadOutput(tree, probs, tuple(self.scores) if self.greedy else ())

@@ -200,7 +200,7 @@ def test_tree_nodes_draft_what_their_own_path_predicts(trained: tuple[Path, dict
     """Tree drafting: every node's children are among the top candidates the training form
     gives for the node's own path, with the path log-probability it gives (its ancestors
     only: siblings and cousins fed in the same rounds must not leak into its attention)."""
-    from quickdraft.spec.draft_head_runner import CHILDREN
+    from quickdraft.spec.head_search import CHILDREN
 
     target, head, runner = _served_head(trained[0], tiny_target)
     g = torch.Generator().manual_seed(2)
