@@ -1,4 +1,5 @@
-// One decoder layer of the CPU bf16 int4 fast path in one native call.
+// One decoder layer of the CPU bf16 int4 fast path in one native call (and the draft head's
+// layer, head_layer, below).
 //
 // The same kernels, in the same order and on the same buffers, as the Python layer
 // (engine/models/llama.py DecoderLayer.forward with FUSED_CPU_OPS and int4 weights), so the
@@ -109,6 +110,60 @@ at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
     return y;
 }
 
+// RoPE in place on the q and k columns of qkv [T, (H + 2 KVH) * D], then the KV write and
+// the attention over the paged cache: returns the attention output [T, H * D].
+at::Tensor rope_and_attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& kv_cache, at::TensorList meta, int64_t heads,
+                           int64_t kv_heads, double scale, int threads, int small_threads) {
+    const int64_t rows = qkv.size(0), width = qkv.size(1), d = width / (heads + 2 * kv_heads);
+    check(d * (heads + 2 * kv_heads) == width && cos.numel() == rows * d
+              && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous()
+              && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+          "qkv width or rope tables do not fit the heads");
+    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
+              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
+          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
+    int rc = rope_fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), static_cast<int>(rows),
+                     static_cast<int>(heads + kv_heads), static_cast<int>(d), width, d,
+                     small_threads);
+    check(rc == 0, "rope kernel failed");
+
+    const at::Tensor& slots = meta[0];
+    const at::Tensor& tables = meta[1];
+    const at::Tensor& lens = meta[2];
+    const at::Tensor& qsl = meta[3];
+    const int64_t* tree_mask = nullptr;
+    if (meta.size() == 5 && meta[4].numel() > 0) {
+        check(meta[4].scalar_type() == at::kLong && meta[4].is_cpu()
+                  && meta[4].is_contiguous() && meta[4].numel() == rows,
+              "tree_mask must be a contiguous int64 [rows] vector");
+        tree_mask = meta[4].data_ptr<int64_t>();
+    }
+    at::Tensor attn = bf16_empty(rows, heads * d);
+    rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
+                   kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                   qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
+                   static_cast<int>(lens.size(0)), static_cast<int>(rows),
+                   static_cast<int>(heads), static_cast<int>(kv_heads),
+                   static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
+                   static_cast<int>(kv_cache.size(1)), static_cast<int>(tables.size(1)),
+                   static_cast<float>(scale), rows * kv_heads >= 2 ? threads : 1);  // as cpu_attention.py
+    check(rc == 0, "attention kernel rejected the step (bad slot, block id, layout or mask)");
+    return attn;
+}
+
+// The MLP: mm(silu_mul(mm(h, gate_up_w)), down_w).
+at::Tensor mlp(const at::Tensor& h, const Matrix& gate_up_w, const Matrix& down_w, int threads,
+               int small_threads) {
+    at::Tensor gate_up = mm(h, gate_up_w, threads);  // [T, 2 * inter]
+    const int64_t rows = h.size(0), inter = gate_up.size(1) / 2;
+    at::Tensor act = bf16_empty(rows, inter);
+    int rc = silu_fn(gate_up.data_ptr(), act.data_ptr(), static_cast<int>(rows),
+                     static_cast<int>(inter), static_cast<int>(silu_vec_block), small_threads);
+    check(rc == 0, "silu_mul kernel failed");
+    return mm(act, down_w, threads);
+}
+
 // weights: ln1, qkv_packed, qkv_sz, o_packed, o_sz, ln2, gate_up_packed, gate_up_sz,
 //          down_packed, down_sz[, qkv_bias]                       (ATen int4: 10 or 11)
 //      or  ln1, qkv (codes, d, m), o (3), ln2, gate_up (3), down (3)[, qkv_bias]
@@ -144,50 +199,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     auto [h, r] = add_rms_norm(x, residual, weights[0], eps, small_threads);
     at::Tensor qkv = mm(h, qkv_w, threads);  // [T, (H + 2 KVH) * D]
     if (has_bias) qkv.add_(weights[nw - 1]);
-    const int64_t width = qkv.size(1), d = width / (heads + 2 * kv_heads);
-    check(d * (heads + 2 * kv_heads) == width && cos.numel() == rows * d
-              && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous()
-              && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
-          "qkv width or rope tables do not fit the heads");
-    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
-              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
-          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
-    int rc = rope_fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), static_cast<int>(rows),
-                     static_cast<int>(heads + kv_heads), static_cast<int>(d), width, d,
-                     small_threads);
-    check(rc == 0, "rope kernel failed");
-
-    const at::Tensor& slots = meta[0];
-    const at::Tensor& tables = meta[1];
-    const at::Tensor& lens = meta[2];
-    const at::Tensor& qsl = meta[3];
-    const int64_t* tree_mask = nullptr;
-    if (meta.size() == 5 && meta[4].numel() > 0) {
-        check(meta[4].scalar_type() == at::kLong && meta[4].is_cpu()
-                  && meta[4].is_contiguous() && meta[4].numel() == rows,
-              "tree_mask must be a contiguous int64 [rows] vector");
-        tree_mask = meta[4].data_ptr<int64_t>();
-    }
-    at::Tensor attn = bf16_empty(rows, heads * d);
-    rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
-                   kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                   qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
-                   static_cast<int>(lens.size(0)), static_cast<int>(rows),
-                   static_cast<int>(heads), static_cast<int>(kv_heads),
-                   static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
-                   static_cast<int>(kv_cache.size(1)), static_cast<int>(tables.size(1)),
-                   static_cast<float>(scale), rows * kv_heads >= 2 ? threads : 1);  // as cpu_attention.py
-    check(rc == 0, "attention kernel rejected the step (bad slot, block id, layout or mask)");
-
+    at::Tensor attn = rope_and_attend(qkv, cos, sin, kv_cache, meta, heads, kv_heads, scale,
+                                      threads, small_threads);
     at::Tensor o = mm(attn, o_w, threads);
     auto [h2, r2] = add_rms_norm(o, r, ln2, eps, small_threads);
-    at::Tensor gate_up = mm(h2, gate_up_w, threads);  // [T, 2 * inter]
-    const int64_t inter = gate_up.size(1) / 2;
-    at::Tensor act = bf16_empty(rows, inter);
-    rc = silu_fn(gate_up.data_ptr(), act.data_ptr(), static_cast<int>(rows),
-                 static_cast<int>(inter), static_cast<int>(silu_vec_block), small_threads);
-    check(rc == 0, "silu_mul kernel failed");
-    return {mm(act, down_w, threads), r2};
+    return {mlp(h2, gate_up_w, down_w, threads, small_threads), r2};
 }
 
 // The draft head's one layer (spec/draft_head.py: layer_input, attention, finish_layer), in
@@ -229,48 +245,11 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
     auto [e, e_unused] = add_rms_norm(emb, none, weights[0], eps, small_threads);
     auto [g, g_unused] = add_rms_norm(hidden, none, weights[1], eps, small_threads);
     at::Tensor qkv = mm(at::cat({e, g}, 1), qkv_w, threads);  // [T, (H + 2 KVH) * D]
-    const int64_t width = qkv.size(1), d = width / (heads + 2 * kv_heads);
-    check(d * (heads + 2 * kv_heads) == width && cos.numel() == rows * d
-              && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous()
-              && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
-          "qkv width or rope tables do not fit the heads");
-    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
-              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
-          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
-    int rc = rope_fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), static_cast<int>(rows),
-                     static_cast<int>(heads + kv_heads), static_cast<int>(d), width, d,
-                     small_threads);
-    check(rc == 0, "rope kernel failed");
-    const at::Tensor& slots = meta[0];
-    const at::Tensor& tables = meta[1];
-    const at::Tensor& lens = meta[2];
-    const at::Tensor& qsl = meta[3];
-    const int64_t* tree_mask = nullptr;
-    if (meta[4].numel() > 0) {
-        check(meta[4].scalar_type() == at::kLong && meta[4].is_cpu()
-                  && meta[4].is_contiguous() && meta[4].numel() == rows,
-              "tree_mask must be a contiguous int64 [rows] vector");
-        tree_mask = meta[4].data_ptr<int64_t>();
-    }
-    at::Tensor attn = bf16_empty(rows, heads * d);
-    rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
-                   kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                   qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
-                   static_cast<int>(lens.size(0)), static_cast<int>(rows),
-                   static_cast<int>(heads), static_cast<int>(kv_heads),
-                   static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
-                   static_cast<int>(kv_cache.size(1)), static_cast<int>(tables.size(1)),
-                   static_cast<float>(scale), rows * kv_heads >= 2 ? threads : 1);
-    check(rc == 0, "attention kernel rejected the step (bad slot, block id, layout or mask)");
+    at::Tensor attn = rope_and_attend(qkv, cos, sin, kv_cache, meta, heads, kv_heads, scale,
+                                      threads, small_threads);
     at::Tensor a = at::add(hidden, mm(attn, o_w, threads));
     auto [h2, h2_unused] = add_rms_norm(a, none, post_norm, eps, small_threads);
-    at::Tensor gate_up = mm(h2, gate_up_w, threads);  // [T, 2 * inter]
-    const int64_t inter = gate_up.size(1) / 2;
-    at::Tensor act = bf16_empty(rows, inter);
-    rc = silu_fn(gate_up.data_ptr(), act.data_ptr(), static_cast<int>(rows),
-                 static_cast<int>(inter), static_cast<int>(silu_vec_block), small_threads);
-    check(rc == 0, "silu_mul kernel failed");
-    return at::add(a, mm(act, down_w, threads));
+    return at::add(a, mlp(h2, gate_up_w, down_w, threads, small_threads));
 }
 
 }  // namespace

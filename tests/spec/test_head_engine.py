@@ -98,16 +98,14 @@ def test_sampled_requests_verify_head_chains(target: Path, head_dir: Path) -> No
     assert spec.kv.num_free_blocks == free
 
 
-def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
-                                                    default_model_dir: Path) -> None:
-    """Where the target runs on 4-bit weights (the default model in bf16), the head's
-    matrices are rounded to 4 bits too; greedy output still equals no speculation. The head
-    is untrained (random drafts, nearly all rejected): exactness cannot lean on good drafts."""
+def _random_head_engines(out: Path, default_model_dir: Path, weights: str,
+                         ) -> tuple[LLMEngine, LLMEngine]:
+    """An untrained head for the default model saved in ``out``, and two bf16 engines on
+    ``weights``: speculation off, and ``head`` with that head."""
     import torch
 
     from quickdraft.engine import loader
     from quickdraft.engine.models.llama import ModelShape
-    from quickdraft.kernels import cpu_int4
     from quickdraft.spec.draft_head import (
         DraftHead,
         DraftHeadConfig,
@@ -115,20 +113,29 @@ def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
         save_head,
     )
 
-    if not cpu_int4.available():
-        pytest.skip("no CPU int4 ops in this torch")
     shape = ModelShape.from_config(loader.load_config(default_model_dir))
     torch.manual_seed(0)
-    head = DraftHead(DraftHeadConfig.for_target(shape, model_fingerprint(default_model_dir),
-                                                512))
-    save_head(head, tmp_path)
+    save_head(DraftHead(DraftHeadConfig.for_target(shape, model_fingerprint(default_model_dir),
+                                                   512)), out)
 
     def engine(speculation: str, draft_head: str | None) -> LLMEngine:
-        return LLMEngine(EngineConfig(dtype="bfloat16", weights="int4", draft_head=draft_head,
+        return LLMEngine(EngineConfig(dtype="bfloat16", weights=weights, draft_head=draft_head,
                                       speculation=speculation, measure_step_cost=False),
                          progress=False)
 
-    plain, spec = engine("off", None), engine("head", str(tmp_path))
+    return engine("off", None), engine("head", str(out))
+
+
+def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
+                                                    default_model_dir: Path) -> None:
+    """Where the target runs on 4-bit weights (the default model in bf16), the head's
+    matrices are rounded to 4 bits too; greedy output still equals no speculation. The head
+    is untrained (random drafts, nearly all rejected): exactness cannot lean on good drafts."""
+    from quickdraft.kernels import cpu_int4
+
+    if not cpu_int4.available():
+        pytest.skip("no CPU int4 ops in this torch")
+    plain, spec = _random_head_engines(tmp_path, default_model_dir, "int4")
     assert spec.head is not None and spec.head.kernel == "int4"
     params = SamplingParams(temperature=0.0, max_tokens=24)
     free = spec.kv.num_free_blocks
@@ -150,28 +157,12 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
     from quickdraft.engine import loader
     from quickdraft.engine.models.llama import ModelShape
     from quickdraft.kernels import cpu_layer, cpu_q4q8
-    from quickdraft.spec.draft_head import (
-        DraftHead,
-        DraftHeadConfig,
-        model_fingerprint,
-        save_head,
-    )
     from quickdraft.spec.draft_head_runner import HeadInput
 
     if not cpu_q4q8.available() or not cpu_layer.available():
         pytest.skip("no q4q8 kernel or native layer here")
     shape = ModelShape.from_config(loader.load_config(default_model_dir))
-    torch.manual_seed(0)
-    head = DraftHead(DraftHeadConfig.for_target(shape, model_fingerprint(default_model_dir),
-                                                512))
-    save_head(head, tmp_path)
-
-    def engine(speculation: str, draft_head: str | None) -> LLMEngine:
-        return LLMEngine(EngineConfig(dtype="bfloat16", weights="int4-q8",
-                                      draft_head=draft_head, speculation=speculation,
-                                      measure_step_cost=False), progress=False)
-
-    spec = engine("head", str(tmp_path))
+    plain, spec = _random_head_engines(tmp_path, default_model_dir, "int4-q8")
     runner = spec.head
     assert runner is not None and runner.native is not None
     g = torch.Generator().manual_seed(1)
@@ -204,7 +195,6 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
                                    runner.heads, runner.kv_heads, shape.rms_norm_eps,
                                    runner.scale)
     assert out is None and not kv.any()
-    plain = engine("off", None)
     params = SamplingParams(temperature=0.0, max_tokens=16)
     free = spec.kv.num_free_blocks
     for prompt in PROMPTS[:2]:
