@@ -137,9 +137,7 @@ def test_slash_commands(spawn, tiny_model_dir, tmp_path):
 
 
 def test_url_chats_with_a_server(spawn, tiny_model_dir, tmp_path):
-    # speculation off: the tiny model's repetitive answers draft ~8-16 tokens a step, and
-    # 1000 tokens then took 0.7 s, over before the Ctrl-C landed (CI, 2026-11-27)
-    with serve(make_settings(), tiny_factory(tiny_model_dir, speculation="off")) as served:
+    with serve(make_settings(), tiny_factory(tiny_model_dir)) as served:
         # The tiny model never stops by itself: 1000 tokens leave time for a Ctrl-C.
         child = spawn("--url", served.http, "--temperature", "0", "--max-tokens", "1000")
         assert "[system prompt set" in command(child, "/system Be brief.")

@@ -87,11 +87,8 @@ def chat(tiny_model_dir):
     cmd, *args = quickdraft_cmd()
     # The tiny random model never emits EOS, so every answer runs to --max-tokens: long
     # enough (seconds) that Ctrl-C surely lands mid-answer, short enough for a quick test.
-    # Speculation off: its repetitive answers draft ~16 tokens a step from the suffix tries,
-    # and 1000 tokens then took 0.7 s, over before the Ctrl-C landed (CI, 2026-11-27).
     args += ["chat", "--model", str(tiny_model_dir), "--dtype", "float32",
-             "--temperature", "0", "--max-tokens", "1000", "--kv-cache-memory", "0.05",
-             "--speculation", "off"]
+             "--temperature", "0", "--max-tokens", "1000", "--kv-cache-memory", "0.05"]
     child = pexpect.spawn(cmd, args, encoding="utf-8", timeout=60, dimensions=(50, 200),
                           env={**os.environ, "TERM": "dumb", "PYTHONIOENCODING": "utf-8"})
     yield child
