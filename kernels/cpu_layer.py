@@ -75,14 +75,25 @@ def _load() -> bool:
     return False
 
 
-def _hand_over(write_attend: int) -> None:
-    """Give the op the C kernels' addresses (attention: ``write_attend``)."""
+def _hand_over(write_attend: int, vnni: bool | None = None) -> None:
+    """Give the op the C kernels' addresses (attention: ``write_attend``); ``vnni`` False
+    runs the q4q8 matmuls on the AVX2 loop (None: the CPU's own)."""
     fused = cpu_fused.native_entry_points()
     assert fused is not None
-    q4q8, vnni = cpu_q4q8.native_entry_point() or (0, 0)  # 0: int4 weights only
+    q4q8, own = cpu_q4q8.native_entry_point() or (0, 0)  # 0: int4 weights only
     torch.ops.quickdraft_cpu.set_cpu_kernels(
         fused["rms_norm"], fused["rope"], fused["silu_mul"], write_attend,
-        fused["vec_block"], fused["parallel_rows"], q4q8, vnni)
+        fused["vec_block"], fused["parallel_rows"], q4q8, own if vnni is None else int(vnni))
+
+
+def use_q4q8_loop(vnni: bool | None) -> None:
+    """For tests on an AVX512-VNNI machine: the ops' q4q8 matmuls on the AVX2 loop of the
+    other CPU kind (False), or on this CPU's own again (None). Needs :func:`takes_q4q8`."""
+    if not takes_q4q8():
+        raise RuntimeError("the native layer cannot take q4q8 weights here")
+    builtin = cpu_attention.native_entry_points()
+    assert builtin is not None
+    _hand_over(builtin["write_attend"], vnni)
 
 
 def use_attention_kernel(write_attend: int | None) -> None:

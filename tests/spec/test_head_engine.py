@@ -126,6 +126,19 @@ def _random_head_engines(out: Path, default_model_dir: Path, weights: str,
     return engine("off", None), engine("head", str(out))
 
 
+def _assert_head_serves_losslessly(plain: LLMEngine, spec: LLMEngine, prompts: list[str],
+                                   max_tokens: int) -> None:
+    """Greedy output with the head equals output without speculation; blocks come back; the
+    head drafted."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    free = spec.kv.num_free_blocks
+    for prompt in prompts:
+        want = plain.generate([prompt], params)[0].token_ids
+        assert spec.generate([prompt], params)[0].token_ids == want
+    assert spec.kv.num_free_blocks == free
+    assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
+
+
 def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
                                                     default_model_dir: Path) -> None:
     """Where the target runs on 4-bit weights (the default model in bf16), the head's
@@ -137,13 +150,7 @@ def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
         pytest.skip("no CPU int4 ops in this torch")
     plain, spec = _random_head_engines(tmp_path, default_model_dir, "int4")
     assert spec.head is not None and spec.head.kernel == "int4"
-    params = SamplingParams(temperature=0.0, max_tokens=24)
-    free = spec.kv.num_free_blocks
-    for prompt in PROMPTS[:3]:
-        want = plain.generate([prompt], params)[0].token_ids
-        assert spec.generate([prompt], params)[0].token_ids == want
-    assert spec.kv.num_free_blocks == free
-    assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
+    _assert_head_serves_losslessly(plain, spec, PROMPTS[:3], max_tokens=24)
 
 
 def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
@@ -151,7 +158,8 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
     """On q4q8 weights (the default model in bf16) the head's layer runs in one native call
     (kernels.cpu_layer.head_layer), rounds recomputing every fed node: the same kernels in
     the same order as the Python layer, so the same trees and chains with the same scores,
-    bit for bit, at batch 1 and 2; and greedy serving with it equals no speculation."""
+    bit for bit, at batch 1 and 2, also with the q4q8 matmuls on the AVX2-only kind's loop;
+    and greedy serving with it equals no speculation."""
     import torch
 
     from quickdraft.engine import loader
@@ -180,8 +188,14 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
             python = runner.propose(batch)
         finally:
             runner.native = weights
-        for a, b in zip(native, python, strict=True):
-            assert a.tree == b.tree and a.scores == b.scores and len(a.tree) > 1
+        cpu_layer.use_q4q8_loop(False)  # the AVX2-only kind's loop (the same on either)
+        try:
+            avx2 = runner.propose(batch)
+        finally:
+            cpu_layer.use_q4q8_loop(None)
+        for a, b, c in zip(native, python, avx2, strict=True):
+            assert a.tree == b.tree == c.tree and a.scores == b.scores == c.scores
+            assert len(a.tree) > 1
     assert native[1].tree.max_depth == 4  # (this untrained head's tree is flat)
     # a step the attention kernel rejects (a block id out of range): None, nothing written
     from quickdraft.kernels.attention_metadata import build_metadata
@@ -195,13 +209,7 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
                                    runner.heads, runner.kv_heads, shape.rms_norm_eps,
                                    runner.scale)
     assert out is None and not kv.any()
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    free = spec.kv.num_free_blocks
-    for prompt in PROMPTS[:2]:
-        assert spec.generate([prompt], params)[0].token_ids == \
-            plain.generate([prompt], params)[0].token_ids
-    assert spec.kv.num_free_blocks == free
-    assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
+    _assert_head_serves_losslessly(plain, spec, PROMPTS[:2], max_tokens=16)
 
 
 @pytest.mark.parametrize("method", ["head", "combined"])
