@@ -28,12 +28,13 @@ from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
 from quickdraft.engine.scheduler import RequestUpdate, Scheduler
 from quickdraft.engine.step_plan import CHECK_INVARIANTS
-from quickdraft.spec.draft_head import find_head
+from quickdraft.spec.draft_head import SHIPPED_HEADS, find_head, model_fingerprint
 from quickdraft.spec.draft_head_runner import DraftHeadRunner
 from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import ObservedStepCost, SpeculationPolicy, StepCost, measure_step_cost
 from quickdraft.spec.speculator import HEAD_NODES_PER_DRAFT, Speculator
+from quickdraft.spec.suffix_corpus import find_corpus
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -119,7 +120,9 @@ class LLMEngine:
             self.speculation, config.num_speculative_tokens, config.ngram_min,
             config.ngram_max, policy, self.kv, self.draft, self.max_model_len,
             vocab_size=self.runner.vocab_size, head=self.head,
-            verify_trees=self.runner.backend.verify_trees)
+            verify_trees=self.runner.backend.verify_trees,
+            suffix_corpus=find_corpus(config.suffix_corpus, model_fingerprint(model_dir),
+                                      SHIPPED_HEADS) if config.speculation != "off" else None)
         # the scheduler decides who runs with how many drafts; the speculator follows it
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.priority_aging_s,

@@ -73,6 +73,16 @@ def add_draft_head_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
     train.add_argument("--max-seq-len", type=int, default=768,
                        help="longest training sequence in tokens")
     train.set_defaults(func=run_train)
+    corpus = hsub.add_parser(
+        "corpus", help="write the suffix corpus (the target's answers in a training work "
+        "directory, which every request may draft from) into a head directory",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    corpus.add_argument("--model", default=None,
+                        help="the target the answers came from (default: the default model)")
+    corpus.add_argument("--work-dir", type=Path, required=True,
+                        help="a `draft-head train` work directory (its answers-1/2.jsonl)")
+    corpus.add_argument("--out", type=Path, required=True, help="the head directory")
+    corpus.set_defaults(func=run_corpus)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -96,6 +106,27 @@ def run_train(args: argparse.Namespace) -> int:
     report = run(config)
     print(json.dumps({"head": str(args.out), "eval": report["eval"],
                       "timings_s": report["timings_s"]}, indent=2))
+    return 0
+
+
+def run_corpus(args: argparse.Namespace) -> int:
+    from quickdraft.engine import loader
+    from quickdraft.spec.draft_head import model_fingerprint
+    from quickdraft.spec.draft_head_data import read_jsonl
+    from quickdraft.spec.draft_head_train import write_training_corpus
+
+    rows = [row for name in ("answers-1.jsonl", "answers-2.jsonl")
+            for row in read_jsonl(args.work_dir / name)]
+    if not rows:
+        print(f"no answers in {args.work_dir}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    fingerprint = model_fingerprint(loader.resolve_model(args.model))
+    config = write_training_corpus(args.out, rows, fingerprint)
+    if config is None:
+        print("the vocabulary has token ids >= 65535: no corpus written", file=sys.stderr)
+        return 2
+    print(json.dumps(config, indent=1))
     return 0
 
 

@@ -45,6 +45,7 @@ from quickdraft.spec.draft_head_data import (
     token_counts,
 )
 from quickdraft.spec.draft_head_prompts import first_stage_prompts, second_stage_prompts
+from quickdraft.spec.suffix_corpus import write_corpus
 
 STEP_DECAY = 0.8  # weight of unroll step j: STEP_DECAY ** j
 FIT_AFTER_STEPS = 30  # steps timed before a time-bounded schedule is fitted
@@ -209,8 +210,10 @@ def finish(config: TrainConfig, head: DraftHead, target: str, fingerprint: str,
            train_rows: list[dict[str, Any]], num_eval: int, steps_done: int,
            losses: list[float], coverage: float, acceptance: dict[str, Any],
            timings: dict[str, float], started: float, machine: str) -> dict[str, Any]:
-    """Save the head and write (and return) ``train_report.json``."""
+    """Save the head and the suffix corpus (the training answers, :mod:`spec.suffix_corpus`)
+    and write (and return) ``train_report.json``."""
     save_head(head.cpu(), config.out_dir)
+    corpus = write_training_corpus(config.out_dir, train_rows, fingerprint)
     report = {
         "target": target, "target_fingerprint": fingerprint,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
@@ -221,11 +224,24 @@ def finish(config: TrainConfig, head: DraftHead, target: str, fingerprint: str,
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
         "draft_vocab_coverage": round(coverage, 4), "eval": acceptance,
+        "suffix_corpus": corpus,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "total_s": round(time.perf_counter() - started, 1), "machine": machine,
     }
     (config.out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def write_training_corpus(out_dir: Path, rows: list[dict[str, Any]], fingerprint: str,
+                          ) -> dict[str, Any] | None:
+    """The rows' answers as the head directory's public suffix corpus; None (nothing
+    written) for a vocabulary the corpus format cannot hold (ids >= 65535)."""
+    answers = [r["output_ids"] for r in rows if r["output_ids"]]
+    if any(t >= 0xFFFF for a in answers for t in a):
+        return None
+    return write_corpus(out_dir, answers, fingerprint,
+                        "the target's greedy answers to its draft head's training prompts "
+                        "(written by this repository or by the target itself)")
 
 
 def init_head(config: DraftHeadConfig, target: TargetParts,

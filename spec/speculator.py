@@ -35,6 +35,7 @@ from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy, expecte
 from quickdraft.spec.recycling import RecyclingProposer
 from quickdraft.spec.state import lookups_to_skip, prior
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
+from quickdraft.spec.suffix_corpus import SuffixCorpus
 from quickdraft.spec.suffix_tree import available as suffix_tree_available
 from quickdraft.spec.token_tree import TokenTree
 from quickdraft.spec.verification import supports_speculation
@@ -85,13 +86,16 @@ HEAD_NODES_PER_DRAFT = 2
 POOLED_DECAY = 0.95
 
 
-def _match_kind(match_len: int) -> str:
+def _match_kind(match_len: int, public: bool = False) -> str:
     """What a suffix draft's acceptance is tracked as: by how long a context suffix it
-    continues. On SmolLM2 spec_bench (C=1, 2026-11-25, 2-core AVX512-BF16 EPYC) drafts after
-    a 2-token match gained 0.6-1.3 tokens a verification, after 8 or more 2.1-4.4."""
+    continues, and whether it came from the public corpus ("corpus/…"; its drafts after a
+    short match are accepted less often than the request's own). On SmolLM2 spec_bench (C=1,
+    2026-11-25, 2-core AVX512-BF16 EPYC) drafts after a 2-token match gained 0.6-1.3 tokens
+    a verification, after 8 or more 2.1-4.4."""
+    source = "corpus" if public else "suffix"
     if match_len >= 8:
-        return "suffix/8+"
-    return "suffix/4-7" if match_len >= 4 else "suffix/1-3"
+        return f"{source}/8+"
+    return f"{source}/4-7" if match_len >= 4 else f"{source}/1-3"
 
 
 @dataclass
@@ -126,15 +130,17 @@ class Speculator:
                  policy: SpeculationPolicy, kv: KVCacheManager | None = None,
                  draft: DraftModelRunner | None = None, max_model_len: int = 1 << 30,
                  vocab_size: int = 0, head: DraftHeadRunner | None = None,
-                 verify_trees: bool = True) -> None:
+                 verify_trees: bool = True, suffix_corpus: SuffixCorpus | None = None) -> None:
         """``verify_trees`` False: every step verifies chains (each tree's best path), for a
-        kernel backend where only a chain's rows get plain decoding's bits."""
+        kernel backend where only a chain's rows get plain decoding's bits;
+        ``suffix_corpus``: the public corpus the suffix tries draft from too."""
         self.method = method
         self.verify_trees = verify_trees
         self.max_k = max_k
         self.proposer = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
         # suffix tries (per request, per tenant); None without gcc: "suffix" drafts n-grams
-        self.suffix = SuffixProposer(_suffix_config()) if suffix_tree_available() else None
+        self.suffix = SuffixProposer(_suffix_config(), suffix_corpus) \
+            if suffix_tree_available() else None
         # target-prediction tables (per tenant): "recycling"
         self.recycling = RecyclingProposer(vocab_size) if vocab_size else None
         self.policy = policy
@@ -207,7 +213,7 @@ class Speculator:
             return None
         # acceptance is tracked per match length: a draft continuing a long matched suffix
         # is accepted far more often than one after a 2-token match (see _match_kind)
-        kind = _match_kind(draft.match_len)
+        kind = _match_kind(draft.match_len, draft.public)
         tracker = self._tracker(request, kind)
         tree = TokenTree(tuple(draft.tokens), tuple(draft.parents))
         depths = tree.depths

@@ -5,6 +5,9 @@ Two kinds of trie (:class:`spec.suffix_tree.SuffixTree`):
 
 * **per request**: its prompt (earlier chat turns included) and its output so far, extended
   incrementally before each proposal and dropped when the request finishes;
+* **public** (when the engine has one): a fixed corpus of the target's own answers to
+  prompts it wrote itself (:mod:`spec.suffix_corpus`), no user's text, drafted from by every
+  request;
 * **global, partitioned by tenant**: the outputs of finished requests, one partition per
   ``cache_salt`` (``None`` is its own partition). A request only ever drafts from its own
   partition: drafts are verified, so another tenant's text could not be *emitted*, but how
@@ -30,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from quickdraft.engine.request import Request
+from quickdraft.spec.suffix_corpus import SuffixCorpus
 from quickdraft.spec.suffix_tree import Draft, SuffixTree, TreeDraft
 
 _EMPTY = Draft([], 0.0, 0)
@@ -50,14 +54,21 @@ class SuffixConfig:
     max_partition_tokens: int = 16384
     max_total_tokens: int = 65536
     max_partitions: int = 64  # tenants kept
+    # The public corpus is asked only when the request's own and its tenant's tries find
+    # nothing, and drafts only after a longer match and likelier paths: its short matches
+    # are someone else's phrasing (measured on spec_bench's greedy outputs: after a 3-token
+    # match a corpus draft's first token is right about 40 % of the time, after 8+ 86 %).
+    corpus_min_match_len: int = 3
+    corpus_min_token_prob: float = 0.5
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_depth <= 1024:
             raise ValueError(f"max_depth must be in [1, 1024], got {self.max_depth}")
         if self.max_spec_factor <= 0 or not 0 <= self.min_token_prob <= 1 \
-                or self.min_match_len < 1:
-            raise ValueError("max_spec_factor must be > 0, min_token_prob in [0, 1] and "
-                             "min_match_len >= 1")
+                or not 0 <= self.corpus_min_token_prob <= 1 \
+                or min(self.min_match_len, self.corpus_min_match_len) < 1:
+            raise ValueError("max_spec_factor must be > 0, the min token probabilities in "
+                             "[0, 1] and the min match lengths >= 1")
         if min(self.max_context, self.max_partition_tokens, self.max_total_tokens,
                self.max_partitions) < 1:
             raise ValueError("max_context, the token budgets and max_partitions must be >= 1")
@@ -82,8 +93,10 @@ class _RequestTrie:
 class SuffixProposer:
     """Per-request and per-tenant suffix tries; the only writer of both."""
 
-    def __init__(self, config: SuffixConfig | None = None) -> None:
+    def __init__(self, config: SuffixConfig | None = None,
+                 corpus: SuffixCorpus | None = None) -> None:
         self.config = config or SuffixConfig()
+        self.corpus = corpus  # public: read by every request, written by none
         self._requests: dict[str, _RequestTrie] = {}
         self._partitions: OrderedDict[str | None, _Partition] = OrderedDict()
         self._total_tokens = 0  # over every partition
@@ -95,6 +108,11 @@ class SuffixProposer:
         c = self.config
         best = _EMPTY
         for tree, context in self._tries(request):
+            if isinstance(tree, SuffixCorpus):  # as in propose_tree
+                if best.tokens:
+                    break
+                return tree.speculate(context, k, c.max_spec_factor, c.corpus_min_token_prob,
+                                      c.corpus_min_match_len)
             draft = tree.speculate(context, k, c.max_spec_factor, c.min_token_prob,
                                    c.min_match_len)
             if draft.score > best.score:
@@ -107,15 +125,20 @@ class SuffixProposer:
         c = self.config
         best = _EMPTY_TREE
         for tree, context in self._tries(request):
+            if isinstance(tree, SuffixCorpus):
+                if best.tokens:
+                    break  # the request's own tries found something: the corpus is not asked
+                return tree.speculate_tree(context, max_nodes, c.max_spec_factor,
+                                           c.corpus_min_token_prob, c.corpus_min_match_len)
             draft = tree.speculate_tree(context, max_nodes, c.max_spec_factor,
                                         c.min_token_prob, c.min_match_len)
             if sum(draft.probs) > sum(best.probs):
                 best = draft
         return best
 
-    def _tries(self, request: Request) -> list[tuple[SuffixTree, list[int]]]:
-        """The tries ``request`` may draft from (its own, then its tenant's partition) and
-        its context, after appending its new tokens to its own trie."""
+    def _tries(self, request: Request) -> list[tuple[SuffixTree | SuffixCorpus, list[int]]]:
+        """The tries ``request`` may draft from (its own, its tenant's partition, the public
+        corpus) and its context, after appending its new tokens to its own trie."""
         c = self.config
         state = self._requests.get(request.request_id)
         if state is None:
@@ -127,12 +150,14 @@ class SuffixProposer:
             state.tree.append(0, request.token_ids_slice(state.appended, n))
             state.appended = n
         context = request.token_ids_slice(max(n - c.max_depth, 0), n)
-        tries = [(state.tree, context)]
+        tries: list[tuple[SuffixTree | SuffixCorpus, list[int]]] = [(state.tree, context)]
         partition = self._partitions.get(request.cache_salt)
         if partition is not None and not request.sampling_params.seeded_sampling:
             # (a seeded sampled request drafts from its own context only: the random draws
             # it consumes depend on its drafts, and its output must depend only on its seed)
             tries.append((partition.tree, context))
+        if self.corpus is not None:  # fixed text, no other request's: seeded ones too
+            tries.append((self.corpus, context))
         return tries
 
     def finish(self, request: Request) -> None:

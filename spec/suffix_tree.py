@@ -76,6 +76,7 @@ class TreeDraft:
     parents: list[int]
     probs: list[float]
     match_len: int
+    public: bool = False  # from the public corpus (spec/suffix_corpus.py), not a trie
 
 
 def _i32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -1,0 +1,204 @@
+/* A fixed corpus of token sequences that suffix decoding drafts from, beside its tries: the
+ * target's own answers to prompts it wrote itself (spec/suffix_corpus.py says where they
+ * come from). A depth-limited trie over millions of tokens would take gigabytes, so the
+ * corpus is indexed by a suffix array over *reversed* contexts instead: 4 bytes a token.
+ *
+ * Semantics (tests/spec/suffix_corpus_reference.py is the plain-Python oracle):
+ *   tokens: int32 [n], SEP (-1) between sequences. A position p is a continuation start
+ *     when tokens[p] != SEP and p > 0 and tokens[p - 1] != SEP; its context is tokens[p - 1],
+ *     tokens[p - 2], ... (most recent first) up to the sequence's start.
+ *   index: the continuation starts sorted by context, compared token by token, most recent
+ *     first, over at most max_depth tokens; a context that ends (sequence start) sorts
+ *     before any token; ties by position. Positions whose contexts share their first m
+ *     tokens are then one contiguous run, found by binary search.
+ *   speculate_tree(ctx, max_nodes, factor, min_prob, min_match, max_sources):
+ *     m = the largest length <= min(len(ctx), max_depth) such that some continuation start
+ *     has ctx[-m:] (reversed) as its context's first m tokens; none, or m < min_match: no
+ *     draft. The run's starts (at most max_sources of them, evenly spaced in index order)
+ *     continue as sequences of at most budget = min(max_nodes, floor(factor * m)) tokens,
+ *     each stopping at its sequence's end; they form a trie whose node counts are how many
+ *     of them pass through it. The draft is that trie's best-first tree, as the suffix
+ *     trie's (spec/suffix_tree.c): a node's path probability is its parent's times
+ *     count(node) / sum of its siblings' counts (the root's: 1); repeatedly take the
+ *     candidate of the highest probability (ties: the earlier parent, then the smaller
+ *     token) until max_nodes are taken or the best is below min_prob; a taken node's
+ *     children become candidates. Output best-first: tokens, parents (-1: below the
+ *     context), path probabilities; the return value is the node count, *match = m. */
+
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SEP (-1)
+
+typedef struct {
+    const int32_t* tok; /* the caller's array: it must outlive the index */
+    int64_t n;
+    int32_t* pos;       /* continuation starts, sorted */
+    int64_t npos;
+    int max_depth;
+} Corpus;
+
+static inline int32_t ctx_at(const Corpus* c, int64_t p, int d) {
+    /* the d-th context token before p (d >= 1), SEP once the sequence has started */
+    for (int i = 1; i <= d; ++i)
+        if (p - i < 0 || c->tok[p - i] == SEP) return SEP;
+    return c->tok[p - d];
+}
+
+static int cmp_starts(const void* a, const void* b, void* arg) {
+    const Corpus* c = (const Corpus*)arg;
+    const int64_t p = *(const int32_t*)a, q = *(const int32_t*)b;
+    for (int d = 1; d <= c->max_depth; ++d) {
+        const int32_t x = p - d >= 0 ? c->tok[p - d] : SEP;
+        const int32_t y = q - d >= 0 ? c->tok[q - d] : SEP;
+        if (x != y) return x < y ? -1 : 1;
+        if (x == SEP) break; /* both contexts ended: equal */
+    }
+    return p < q ? -1 : (p > q);
+}
+
+void* qd_sc_new(const int32_t* tokens, int64_t n, int max_depth) {
+    if (!tokens || n < 0 || n > INT32_MAX || max_depth < 1 || max_depth > 1024) return NULL;
+    Corpus* c = (Corpus*)calloc(1, sizeof(Corpus));
+    if (!c) return NULL;
+    c->tok = tokens;
+    c->n = n;
+    c->max_depth = max_depth;
+    int64_t count = 0;
+    for (int64_t p = 1; p < n; ++p) count += tokens[p] != SEP && tokens[p - 1] != SEP;
+    c->pos = (int32_t*)malloc((size_t)(count > 0 ? count : 1) * sizeof(int32_t));
+    if (!c->pos) { free(c); return NULL; }
+    for (int64_t p = 1; p < n; ++p)
+        if (tokens[p] != SEP && tokens[p - 1] != SEP) c->pos[c->npos++] = (int32_t)p;
+    qsort_r(c->pos, (size_t)c->npos, sizeof(int32_t), cmp_starts, c);
+    return c;
+}
+
+void qd_sc_free(void* handle) {
+    Corpus* c = (Corpus*)handle;
+    if (!c) return;
+    free(c->pos);
+    free(c);
+}
+
+int64_t qd_sc_num_starts(void* handle) { return handle ? ((Corpus*)handle)->npos : -1; }
+
+/* -1 / 0 / 1: start p's context's d-th token against the query's (q[d - 1]) */
+static inline int cmp_token(const Corpus* c, int64_t p, int d, int32_t want) {
+    const int32_t x = ctx_at(c, p, d);
+    return x == want ? 0 : (x < want ? -1 : 1);
+}
+
+/* Within [*lo, *hi) (all sharing the query's first d - 1 context tokens), the run whose
+ * d-th token is q. Returns its length. */
+static int64_t narrow(const Corpus* c, int d, int32_t q, int64_t* lo, int64_t* hi) {
+    int64_t a = *lo, b = *hi;
+    while (a < b) { /* first with token >= q */
+        const int64_t mid = a + (b - a) / 2;
+        if (cmp_token(c, c->pos[mid], d, q) < 0) a = mid + 1; else b = mid;
+    }
+    int64_t e = a, f = *hi;
+    while (e < f) { /* first with token > q */
+        const int64_t mid = e + (f - e) / 2;
+        if (cmp_token(c, c->pos[mid], d, q) <= 0) e = mid + 1; else f = mid;
+    }
+    *lo = a;
+    *hi = e;
+    return e - a;
+}
+
+typedef struct {
+    int32_t token, count, first_child, next_sibling, depth;
+} Node;
+
+typedef struct {
+    float q;
+    int32_t parent; /* drafted index, -1: below the context */
+    int32_t node;
+} Cand;
+
+static int cand_before(const Node* nodes, const Cand* a, const Cand* b) {
+    if (a->q != b->q) return a->q > b->q;
+    if (a->parent != b->parent) return a->parent < b->parent;
+    return nodes[a->node].token < nodes[b->node].token;
+}
+
+static int push_children(const Node* nodes, int32_t node, int32_t parent, float p, Cand* cands,
+                         int nc) {
+    long long total = 0;
+    for (int32_t k = nodes[node].first_child; k >= 0; k = nodes[k].next_sibling)
+        total += nodes[k].count;
+    for (int32_t k = nodes[node].first_child; k >= 0; k = nodes[k].next_sibling)
+        cands[nc++] = (Cand){p * (float)nodes[k].count / (float)total, parent, k};
+    return nc;
+}
+
+int qd_sc_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes, float factor,
+                         float min_prob, int min_match, int max_sources, int32_t* tokens,
+                         int32_t* parents, float* probs, int* out_match) {
+    const Corpus* c = (const Corpus*)handle;
+    if (!c || n < 0 || (n > 0 && !ctx) || max_nodes < 0 || max_nodes > 256 || max_sources < 1
+        || !tokens || !parents || !probs || !out_match)
+        return -1;
+    *out_match = 0;
+    int64_t lo = 0, hi = c->npos;
+    int m = 0;
+    const int longest = n < c->max_depth ? n : c->max_depth;
+    while (m < longest) {
+        int64_t a = lo, b = hi;
+        if (ctx[n - 1 - m] == SEP || narrow(c, m + 1, ctx[n - 1 - m], &a, &b) == 0) break;
+        lo = a;
+        hi = b;
+        ++m;
+    }
+    if (m == 0 || m < min_match) return 0;
+    *out_match = m;
+    int budget = (int)(factor * (float)m);
+    if (budget > max_nodes) budget = max_nodes;
+    if (budget < 1) return 0;
+    const int64_t run = hi - lo;
+    const int sources = run < max_sources ? (int)run : max_sources;
+    const size_t cap = (size_t)sources * (size_t)budget + 1;
+    Node* nodes = (Node*)malloc(cap * sizeof(Node));
+    Cand* cands = (Cand*)malloc(cap * sizeof(Cand));
+    if (!nodes || !cands) { free(nodes); free(cands); return -1; }
+    int32_t used = 1;
+    nodes[0] = (Node){SEP, 0, -1, -1, 0};
+    for (int s = 0; s < sources; ++s) {
+        const int64_t p = c->pos[lo + (int64_t)s * run / sources];
+        int32_t at = 0;
+        for (int d = 0; d < budget && p + d < c->n && c->tok[p + d] != SEP; ++d) {
+            const int32_t t = c->tok[p + d];
+            int32_t k = nodes[at].first_child, last = -1;
+            while (k >= 0 && nodes[k].token != t) { last = k; k = nodes[k].next_sibling; }
+            if (k < 0) {
+                k = used++;
+                nodes[k] = (Node){t, 0, -1, -1, d + 1};
+                if (last < 0) nodes[at].first_child = k; else nodes[last].next_sibling = k;
+            }
+            nodes[k].count++;
+            at = k;
+        }
+    }
+    int nc = push_children(nodes, 0, -1, 1.0f, cands, 0);
+    int count = 0;
+    while (count < max_nodes && nc > 0) {
+        int best = 0;
+        for (int i = 1; i < nc; ++i)
+            if (cand_before(nodes, &cands[i], &cands[best])) best = i;
+        const Cand cb = cands[best];
+        cands[best] = cands[--nc];
+        if (cb.q < min_prob) break; /* the best left is too unlikely: so are the rest */
+        tokens[count] = nodes[cb.node].token;
+        parents[count] = cb.parent;
+        probs[count] = cb.q;
+        if (nodes[cb.node].depth < budget)
+            nc = push_children(nodes, cb.node, count, cb.q, cands, nc);
+        ++count;
+    }
+    free(nodes);
+    free(cands);
+    return count;
+}

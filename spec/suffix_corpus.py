@@ -1,0 +1,201 @@
+"""A public corpus for suffix decoding: the target's own answers, which every request may
+draft from.
+
+SuffixDecoding's global tree holds earlier responses, and for privacy quickdraft partitions
+it by tenant (spec/suffix.py): a new tenant's first request has nothing to draft from but
+its own prompt. Much of what a small model says is its own stock phrasing ("I hope this
+message finds you well", a list's markup, a code block's frame), the same whoever asks. So
+the target's answers to prompts it wrote itself, generated while training its draft head
+(``quickdraft draft-head train``: no user's text in them, nothing a timing side channel
+could leak), are shipped beside the head and drafted from by every request, as one more
+trie. The drafts are verified like any other, so output never changes; the policy tracks
+their acceptance apart from the request's own suffix drafts ("corpus/…").
+
+A trie of bounded depth over millions of tokens would need gigabytes, so the corpus is
+indexed by a suffix array over reversed contexts (``suffix_corpus.c``: 4 bytes a token,
+built in about a second at start-up); a lookup is a few binary searches and a small trie of
+the matched positions' continuations.
+
+File: ``suffix_corpus.u16.xz`` (xz of little-endian uint16 token ids, 0xFFFF between
+answers) and ``suffix_corpus.json`` (the target's fingerprint, counts, provenance) in a
+shipped head's directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import lzma
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from quickdraft.kernels import cbuild
+from quickdraft.spec.suffix_tree import Draft, TreeDraft
+
+_SOURCE = Path(__file__).with_name("suffix_corpus.c")
+_CFLAGS = ("-O2", "-fPIC", "-shared")
+CORPUS_TOKENS = "suffix_corpus.u16.xz"
+CORPUS_CONFIG = "suffix_corpus.json"
+_SEPARATOR = 0xFFFF  # in the file (uint16); -1 in the index
+_MAX_NODES = 256
+MAX_SOURCES = 256  # matched positions whose continuations one lookup counts
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    lib = cbuild.load("suffix_corpus", _SOURCE, _CFLAGS, frozenset())
+    if lib is None:
+        return None
+    ptr = ctypes.c_void_p
+    lib.qd_sc_new.argtypes = [ptr, ctypes.c_int64, ctypes.c_int]
+    lib.qd_sc_new.restype = ctypes.c_void_p
+    lib.qd_sc_free.argtypes = [ptr]
+    lib.qd_sc_free.restype = None
+    lib.qd_sc_num_starts.argtypes = [ptr]
+    lib.qd_sc_num_starts.restype = ctypes.c_int64
+    lib.qd_sc_speculate_tree.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                                         ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ptr,
+                                         ptr, ptr]
+    lib.qd_sc_speculate_tree.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """True when the index is built and loaded. Never raises."""
+    try:
+        return _lib() is not None
+    except Exception:
+        return False
+
+
+class SuffixCorpus:
+    """An immutable corpus that drafts like a :class:`~spec.suffix_tree.SuffixTree`
+    (``speculate`` / ``speculate_tree``, the same arguments and result types; drafts are
+    marked ``public``)."""
+
+    def __init__(self, sequences: Sequence[Sequence[int]] | np.ndarray,
+                 max_depth: int = 16, max_sources: int = MAX_SOURCES) -> None:
+        """``sequences``: the corpus's sequences, or one int array with -1 between them."""
+        lib = _lib()
+        if lib is None:
+            raise RuntimeError("the corpus index (spec/suffix_corpus.c) could not be built")
+        if isinstance(sequences, np.ndarray):
+            flat = np.ascontiguousarray(sequences, dtype=np.int32)
+        else:
+            parts = [np.asarray([*list(s), -1], dtype=np.int64) for s in sequences]
+            flat = np.concatenate(parts).astype(np.int32) if parts else np.empty(0, np.int32)
+        if flat.size and int(flat.min()) < -1:
+            raise ValueError("token ids must be >= 0 (-1 separates sequences)")
+        if max_sources < 1:
+            raise ValueError(f"max_sources must be >= 1, got {max_sources}")
+        self._lib = lib
+        self._tokens = flat  # the index points into it: kept alive with it
+        self.max_depth = max_depth
+        self.max_sources = max_sources
+        self._handle = lib.qd_sc_new(flat.ctypes.data, flat.size, max_depth)
+        if not self._handle:
+            raise ValueError(f"max_depth must be in [1, 1024], got {max_depth} (or no memory)")
+        self._out_tokens = np.empty(_MAX_NODES, dtype=np.int32)
+        self._out_parents = np.empty(_MAX_NODES, dtype=np.int32)
+        self._out_probs = np.empty(_MAX_NODES, dtype=np.float32)
+        self._out_match = np.empty(1, dtype=np.int32)
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.qd_sc_free(handle)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(np.count_nonzero(self._tokens >= 0))
+
+    @property
+    def num_starts(self) -> int:
+        return int(self._lib.qd_sc_num_starts(self._handle))
+
+    def speculate_tree(self, context: Sequence[int] | np.ndarray, max_nodes: int,
+                       max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                       min_match_len: int = 1) -> TreeDraft:
+        if not 0 <= max_nodes <= _MAX_NODES:
+            raise ValueError(f"max_nodes must be in [0, {_MAX_NODES}], got {max_nodes}")
+        ctx = np.ascontiguousarray(context[-self.max_depth:], dtype=np.int32)
+        n = self._lib.qd_sc_speculate_tree(
+            self._handle, ctx.ctypes.data, ctx.size, max_nodes, max_spec_factor,
+            min_token_prob, min_match_len, self.max_sources, self._out_tokens.ctypes.data,
+            self._out_parents.ctypes.data, self._out_probs.ctypes.data,
+            self._out_match.ctypes.data)
+        if n < 0:
+            raise RuntimeError("qd_sc_speculate_tree failed")
+        return TreeDraft(self._out_tokens[:n].tolist(), self._out_parents[:n].tolist(),
+                         self._out_probs[:n].tolist(), int(self._out_match[0]), public=True)
+
+    def speculate(self, context: Sequence[int] | np.ndarray, max_tokens: int,
+                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                  min_match_len: int = 1) -> Draft:
+        """The tree's likeliest path (each node's likeliest child), at most ``max_tokens``."""
+        tree = self.speculate_tree(context, max_tokens, max_spec_factor, min_token_prob,
+                                   min_match_len)
+        tokens: list[int] = []
+        score, parent = 0.0, -1
+        for i, (node_parent, p) in enumerate(zip(tree.parents, tree.probs, strict=True)):
+            if node_parent == parent and len(tokens) < max_tokens:  # best-first: the first
+                tokens.append(tree.tokens[i])  # child met is the likeliest
+                score += p
+                parent = i
+        return Draft(tokens, score, tree.match_len)
+
+
+def read_tokens(path: Path) -> np.ndarray:
+    """A corpus file's token ids, int32 with -1 between sequences."""
+    raw = np.frombuffer(lzma.decompress(path.read_bytes()), dtype="<u2")
+    out = raw.astype(np.int32)
+    out[raw == _SEPARATOR] = -1
+    return out
+
+
+def write_corpus(directory: Path, sequences: Sequence[Sequence[int]], fingerprint: str,
+                 source: str) -> dict[str, object]:
+    """Writes ``sequences`` (token ids < 65535) as a corpus for the target of
+    ``fingerprint``; returns its config."""
+    flat: list[int] = []
+    for seq in sequences:
+        if any(not 0 <= t < _SEPARATOR for t in seq):
+            raise ValueError("corpus token ids must be in [0, 65535)")
+        flat.extend(seq)
+        flat.append(_SEPARATOR)
+    data = np.asarray(flat, dtype="<u2").tobytes()
+    (directory / CORPUS_TOKENS).write_bytes(lzma.compress(data, preset=6))
+    config = {"target_fingerprint": fingerprint, "sequences": len(sequences),
+              "tokens": len(flat) - len(sequences), "source": source}
+    (directory / CORPUS_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return config
+
+
+def find_corpus(setting: str | None, fingerprint: str, shipped: Path) -> SuffixCorpus | None:
+    """The corpus an engine drafts from: None / "none" = none; "auto" = the one shipped
+    (under ``shipped``) for this target's ``fingerprint``, else none; else a directory
+    holding one, which must be for this target (ValueError otherwise)."""
+    if setting is None or setting == "none" or not available():
+        return None
+    if setting == "auto":
+        for path in sorted(shipped.glob(f"*/{CORPUS_CONFIG}")):
+            if json.loads(path.read_text()).get("target_fingerprint") == fingerprint:
+                return load_corpus(path.parent.resolve())
+        return None
+    directory = Path(setting).expanduser()
+    config = json.loads((directory / CORPUS_CONFIG).read_text())
+    if config.get("target_fingerprint") != fingerprint:
+        raise ValueError(f"suffix corpus {directory}: target_fingerprint "
+                         f"{config.get('target_fingerprint')!r} is not this model's "
+                         f"{fingerprint!r}")
+    return load_corpus(directory.resolve())
+
+
+@functools.lru_cache(maxsize=2)
+def load_corpus(directory: Path) -> SuffixCorpus:
+    """The corpus in ``directory``, indexed once per process (it is immutable: engines in
+    one process share it; indexing 5 M tokens takes ~1.5 s)."""
+    return SuffixCorpus(read_tokens(directory / CORPUS_TOKENS))

@@ -1,0 +1,139 @@
+"""The public suffix corpus: spec/suffix_corpus.c against its plain-Python oracle; the
+proposer asks it only when the request's own tries find nothing; in the engine, greedy
+output with it equals output without speculation, and a corpus is refused for another
+target."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quickdraft.engine.request import Request
+from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec import suffix_corpus
+from quickdraft.spec.draft_head import model_fingerprint
+from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
+from quickdraft.spec.suffix_corpus import SuffixCorpus, find_corpus, read_tokens, write_corpus
+from tests.spec.suffix_corpus_reference import reference_tree
+from tests.spec.test_spec_engine import GREEDY, PROMPTS, make_engine, run_staggered
+
+pytestmark = pytest.mark.skipif(not suffix_corpus.available(), reason="needs gcc")
+
+
+def _flat(seqs: list[list[int]]) -> list[int]:
+    return [t for s in seqs for t in [*s, -1]]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_matches_the_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 5, 9])
+    seqs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+            for _ in range(rng.randint(1, 12))]
+    max_depth, max_sources = rng.choice([1, 4, 16]), rng.choice([1, 3, 256])
+    corpus = SuffixCorpus(seqs, max_depth=max_depth, max_sources=max_sources)
+    tokens = _flat(seqs)
+    for _ in range(30):
+        ctx = [rng.randrange(vocab) for _ in range(rng.randint(0, 20))]
+        max_nodes, factor = rng.randint(0, 12), rng.choice([0.5, 1.0, 4.0])
+        min_prob, min_match = rng.choice([0.0, 0.2, 0.5]), rng.choice([1, 2, 3])
+        got = corpus.speculate_tree(ctx, max_nodes, factor, min_prob, min_match)
+        want = reference_tree(tokens, ctx, max_depth, max_nodes, factor, min_prob, min_match,
+                              max_sources)
+        assert (got.tokens, got.parents, got.match_len) == (want[0], want[1], want[3])
+        assert got.probs == pytest.approx(want[2], rel=0, abs=0)  # the same float32 maths
+        assert got.public
+        chain = corpus.speculate(ctx, max_nodes, factor, min_prob, min_match)
+        assert chain.tokens == got.tokens[:len(chain.tokens)] or got.parents[:1] == [-1]
+
+
+def test_a_draft_continues_the_longest_match_by_frequency() -> None:
+    corpus = SuffixCorpus([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [7, 3, 4, 5, 8], [3, 4, 5, 8]])
+    # context ...2 3 4: matched by the first two sequences (length 3): 5 and 6 once each
+    tree = corpus.speculate_tree([0, 2, 3, 4], 4, 4.0, 0.0, 1)
+    assert tree.match_len == 3 and tree.tokens[:2] == [5, 6] and tree.parents[:2] == [-1, -1]
+    assert tree.probs[:2] == [0.5, 0.5]
+    # context ...3 4 5 (first and third sequences and the fourth): 8 twice, end once
+    assert corpus.speculate([3, 4, 5], 2, 4.0, 0.0, 1).tokens == [8]
+    assert corpus.speculate_tree([42], 4, 4.0, 0.0, 1).tokens == []  # no match
+    assert corpus.speculate_tree([2, 3, 4], 4, 4.0, 0.0, 4).tokens == []  # too short a match
+    assert corpus.num_tokens == 19
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        SuffixCorpus(np.array([1, -2, 3]))
+    with pytest.raises(ValueError, match="max_depth"):
+        SuffixCorpus([[1, 2]], max_depth=0)
+    with pytest.raises(ValueError, match="max_nodes"):
+        SuffixCorpus([[1, 2]]).speculate_tree([1], 257)
+
+
+def test_file_round_trip_and_target_check(tmp_path: Path) -> None:
+    seqs = [[5, 6, 7], [65534, 0]]
+    config = write_corpus(tmp_path, seqs, "abc", "test")
+    assert config["tokens"] == 5 and config["sequences"] == 2
+    assert read_tokens(tmp_path / suffix_corpus.CORPUS_TOKENS).tolist() == _flat(seqs)
+    assert find_corpus(str(tmp_path), "abc", tmp_path.parent) is not None
+    assert find_corpus("none", "abc", tmp_path.parent) is None
+    assert find_corpus("auto", "other", tmp_path.parent) is None
+    with pytest.raises(ValueError, match="target_fingerprint"):
+        find_corpus(str(tmp_path), "other", tmp_path.parent)
+    with pytest.raises(ValueError, match="65535"):
+        write_corpus(tmp_path, [[65535]], "abc", "test")
+
+
+def _request(prompt: list[int], output: list[int]) -> Request:
+    r = Request(f"r{prompt}{output}", list(prompt), SamplingParams(max_tokens=64),
+                frozenset(), cache_salt="t")
+    r.output_token_ids = list(output)
+    return r
+
+
+def test_the_corpus_is_asked_only_when_the_request_s_tries_find_nothing() -> None:
+    corpus = SuffixCorpus([[20, 21, 22, 30, 31, 32, 33]])
+    config = SuffixConfig(max_spec_factor=2.0, min_match_len=2, corpus_min_match_len=3,
+                          corpus_min_token_prob=0.5)
+    proposer = SuffixProposer(config, corpus)
+    # nothing in its own context: the corpus continues "20 21 22"
+    tree = proposer.propose_tree(_request([1, 2], [20, 21, 22]), 4)
+    assert tree.public and tree.tokens == [30, 31, 32, 33]
+    # its own context matches "21 22" (-> 40): its own draft wins, the corpus is not asked
+    own = proposer.propose_tree(_request([21, 22, 40, 41], [20, 21, 22]), 4)
+    assert not own.public and own.tokens[0] == 40
+    # a 2-token match is below the corpus's minimum
+    assert proposer.propose_tree(_request([1, 2], [21, 22]), 4).tokens == []
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tiny_model_dir, tmp_path_factory):
+    """A corpus of the tiny model's own greedy answers to the test prompts."""
+    plain = make_engine(tiny_model_dir, "off")
+    answers = [out.token_ids for out in plain.generate(PROMPTS, GREEDY)]
+    directory = tmp_path_factory.mktemp("corpus")
+    write_corpus(directory, answers, model_fingerprint(Path(tiny_model_dir)), "test")
+    return directory
+
+
+def test_greedy_equal_with_the_corpus_and_its_drafts_accepted(tiny_model_dir, corpus_dir):
+    plain = make_engine(tiny_model_dir, "off")
+    spec = make_engine(tiny_model_dir, "suffix", suffix_corpus=str(corpus_dir))
+    assert spec.speculator.suffix is not None and spec.speculator.suffix.corpus is not None
+    want, _ = run_staggered(plain, PROMPTS, GREEDY)
+    free = spec.kv.num_free_blocks
+    got, usage = run_staggered(spec, PROMPTS, GREEDY)  # every request its own tenant
+    assert got == want
+    assert spec.kv.num_free_blocks == free
+    # the corpus holds these very answers: its drafts were made and accepted
+    pools = spec.speculator._pools
+    assert any(kind.startswith("corpus/") for kind in pools)
+    assert sum(u.num_accepted_tokens for u in usage.values()) > 0
+
+
+def test_a_corpus_for_another_target_is_refused(tiny_model_dir, tmp_path):
+    write_corpus(tmp_path, [[1, 2, 3]], "not-this-model", "test")
+    with pytest.raises(ValueError, match="target_fingerprint"):
+        make_engine(tiny_model_dir, "suffix", suffix_corpus=str(tmp_path))
