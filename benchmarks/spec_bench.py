@@ -248,6 +248,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-head", default="auto",
                    help="draft head for the head/combined methods: auto (a shipped head "
                         "trained on this model), none, or a head directory")
+    p.add_argument("--suffix-corpus", default="auto",
+                   help="public corpus the suffix tries draft from too: auto (shipped for "
+                        "this model), none, or a directory")
     p.add_argument("--prompts", type=Path, default=PROMPTS_PATH)
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="GPU: cuBLAS and tuned attention tiles (speculation equal to plain "
@@ -291,11 +294,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _corpus_info(engine: LLMEngine) -> dict[str, int] | None:
+    """The public suffix corpus the run drafted from (None: none)."""
+    suffix = engine.speculator.suffix
+    corpus = suffix.corpus if suffix is not None else None
+    return {"tokens": corpus.num_tokens} if corpus is not None else None
+
+
 def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
     uses_draft = bool({"draft", "combined"} & set(args.methods)) and bool(args.draft_model)
     config = EngineConfig(model=args.model, dtype=args.dtype,
                           draft_model=args.draft_model if uses_draft else None,
                           draft_head=args.draft_head,
+                          suffix_corpus=None if args.suffix_corpus == "none"
+                          else args.suffix_corpus,
                           max_num_seqs=max(args.concurrency), max_num_batched_tokens=2048,
                           speculation="combined" if uses_draft else "ngram",
                           num_threads=args.threads, device=args.device,
@@ -436,6 +448,7 @@ def report(args: argparse.Namespace, info: dict[str, Any], engine: LLMEngine,
             "model": args.model, "model_dir": engine.info.model_dir,
             "draft_model": cfg.draft_model, "methods": args.methods,
             "draft_head": cfg.draft_head,
+            "suffix_corpus": _corpus_info(engine),
             "dtype": args.dtype, "concurrency": concs, "max_tokens": n,
             "repeats": repeats, "repeats_requested": args.repeats, "categories": cats,
             "greedy": True, "ignore_eos": False,

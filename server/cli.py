@@ -107,6 +107,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-head", default="auto",
                    help="EAGLE-3-style draft head directory (`quickdraft draft-head train`); "
                    "auto: the head shipped for --model if there is one; none: no head")
+    g.add_argument("--suffix-corpus", default="auto",
+                   help="a public corpus suffix decoding drafts from for every request (the "
+                   "model's own answers, `quickdraft draft-head corpus`); auto: the one "
+                   "shipped for --model if there is one; none: only the request's and its "
+                   "tenant's text")
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most draft tokens per step (the policy may use fewer)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
@@ -137,6 +142,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed, draft_model=args.draft_model,
         speculation=args.speculation or "auto",
         draft_head=None if args.draft_head == "none" else args.draft_head,
+        suffix_corpus=None if args.suffix_corpus == "none" else args.suffix_corpus,
         num_speculative_tokens=args.num_speculative_tokens,
         enable_prefix_caching=args.prefix_caching, device=args.device,
         kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs,

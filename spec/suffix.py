@@ -55,10 +55,12 @@ class SuffixConfig:
     max_total_tokens: int = 65536
     max_partitions: int = 64  # tenants kept
     # The public corpus is asked only when the request's own and its tenant's tries find
-    # nothing, and drafts only after a longer match and likelier paths: its short matches
-    # are someone else's phrasing (measured on spec_bench's greedy outputs: after a 3-token
-    # match a corpus draft's first token is right about 40 % of the time, after 8+ 86 %).
-    corpus_min_match_len: int = 3
+    # nothing, and drafts only along likelier paths: it is the model's stock phrasing, only
+    # sometimes what it says next (on spec_bench's greedy outputs a corpus draft's first
+    # token was right ~40 % of the time after a 3-token match, 86 % after 8+). Two
+    # same-process A/Bs at C=1 (2026-11-27, docs/benchmarks.md): matches of 2+ and paths of
+    # 0.5+ gained 1.336x -> 1.415-1.438x over off; 3+ matches 1.399-1.414x, 0.3 / 0.7 alike.
+    corpus_min_match_len: int = 2
     corpus_min_token_prob: float = 0.5
 
     def __post_init__(self) -> None:
