@@ -59,6 +59,66 @@ static int cmp_starts(const void* a, const void* b, void* arg) {
     return p < q ? -1 : (p > q);
 }
 
+/* The first 4 context tokens of p as one key that orders like cmp_starts over them (each
+ * token + 1, 0 once the context has ended, capped at 16 bits: a capped token only makes
+ * keys equal, and equal keys are ordered by cmp_starts below). */
+static uint64_t key4(const Corpus* c, int64_t p) {
+    uint64_t key = 0;
+    int ended = 0;
+    for (int d = 1; d <= 4; ++d) {
+        uint64_t v = 0;
+        if (!ended && d <= c->max_depth && p - d >= 0 && c->tok[p - d] != SEP) {
+            const int64_t t = (int64_t)c->tok[p - d] + 1;
+            v = t > 0xFFFF ? 0xFFFF : (uint64_t)t;
+        } else {
+            ended = 1;
+        }
+        key = key << 16 | v;
+    }
+    return key;
+}
+
+/* Sorts c->pos as cmp_starts does, faster: an LSD radix sort of (key4, position) pairs,
+ * then cmp_starts within each run of equal keys (they may differ deeper). Returns 0, or -1
+ * when out of memory (the caller then sorts with cmp_starts alone). */
+static int presort(Corpus* c) {
+    const size_t n = (size_t)c->npos;
+    uint64_t* key = (uint64_t*)malloc(n * sizeof(uint64_t) + 1);
+    uint64_t* key2 = (uint64_t*)malloc(n * sizeof(uint64_t) + 1);
+    int32_t* pos2 = (int32_t*)malloc(n * sizeof(int32_t) + 1);
+    if (!key || !key2 || !pos2) { free(key); free(key2); free(pos2); return -1; }
+    for (size_t i = 0; i < n; ++i) key[i] = key4(c, c->pos[i]);
+    /* stable passes over 16-bit digits, least significant first (positions start in
+     * increasing order, so equal keys stay by position) */
+    size_t* count = (size_t*)calloc(65536, sizeof(size_t));
+    if (!count) { free(key); free(key2); free(pos2); return -1; }
+    for (int shift = 0; shift < 64; shift += 16) {
+        memset(count, 0, 65536 * sizeof(size_t));
+        for (size_t i = 0; i < n; ++i) count[(key[i] >> shift) & 0xFFFF]++;
+        size_t sum = 0;
+        for (int d = 0; d < 65536; ++d) { const size_t k = count[d]; count[d] = sum; sum += k; }
+        for (size_t i = 0; i < n; ++i) {
+            const size_t at = count[(key[i] >> shift) & 0xFFFF]++;
+            key2[at] = key[i];
+            pos2[at] = c->pos[i];
+        }
+        uint64_t* tk = key; key = key2; key2 = tk;
+        int32_t* tp = c->pos; c->pos = pos2; pos2 = tp;
+    }
+    free(count);
+    for (size_t i = 0; i < n;) {
+        size_t j = i + 1;
+        while (j < n && key[j] == key[i]) ++j;
+        if (j - i > 1) /* equal keys: the contexts may differ deeper (or at a capped token) */
+            qsort_r(c->pos + i, j - i, sizeof(int32_t), cmp_starts, c);
+        i = j;
+    }
+    free(key);
+    free(key2);
+    free(pos2);
+    return 0;
+}
+
 void* qd_sc_new(const int32_t* tokens, int64_t n, int max_depth) {
     if (!tokens || n < 0 || n > INT32_MAX || max_depth < 1 || max_depth > 1024) return NULL;
     Corpus* c = (Corpus*)calloc(1, sizeof(Corpus));
@@ -72,7 +132,7 @@ void* qd_sc_new(const int32_t* tokens, int64_t n, int max_depth) {
     if (!c->pos) { free(c); return NULL; }
     for (int64_t p = 1; p < n; ++p)
         if (tokens[p] != SEP && tokens[p - 1] != SEP) c->pos[c->npos++] = (int32_t)p;
-    qsort_r(c->pos, (size_t)c->npos, sizeof(int32_t), cmp_starts, c);
+    if (presort(c) != 0) qsort_r(c->pos, (size_t)c->npos, sizeof(int32_t), cmp_starts, c);
     return c;
 }
 
