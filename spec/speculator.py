@@ -82,6 +82,13 @@ MAX_TREE_NODES = 16
 HEAD_NODES_PER_DRAFT = 2
 
 
+# The public suffix corpus is asked only in steps of at most this many decoding requests: its
+# drafts are accepted less often than a request's own (~40-55 %), which pays where a few
+# extra rows cost little but not in a batch whose rows are already compute-bound. Same-
+# process A/Bs (benchmarks/suffix_corpus_ab.py, 2026-11-27, 2-core AVX512-BF16 EPYC):
+# C=1 1.371x -> 1.457x over off with it, C=8 1.089x -> 1.075x and 1.046x -> 1.061x.
+CORPUS_MAX_REQUESTS = 2
+
 # Pooled acceptance estimates follow many requests' verifications: slower than a request's.
 POOLED_DECAY = 0.95
 
@@ -153,6 +160,7 @@ class Speculator:
         # request's prior (acceptance rates only: nothing of any request's content)
         self._pools: dict[str, AcceptanceTracker] = {}
         self._chains_only = False  # this step verifies chains only (see _plan)
+        self._corpus_ok = True  # this step may draft from the public corpus (see _plan)
 
     def method_of(self, request: Request) -> str:
         params: SpeculationParams | None = request.spec_params
@@ -208,7 +216,7 @@ class Speculator:
         at its depth (so the likeliest path is exactly a chain's scores, and a branch the
         context took a third as often scores a third), capped by its parent's score."""
         assert self.suffix is not None
-        draft = self.suffix.propose_tree(request, MAX_TREE_NODES)
+        draft = self.suffix.propose_tree(request, MAX_TREE_NODES, public=self._corpus_ok)
         if not draft.tokens:
             return None
         # acceptance is tracked per match length: a draft continuing a long matched suffix
@@ -327,6 +335,7 @@ class Speculator:
               budget: int) -> None:
         candidates: list[_Candidate] = []
         looked: list[Request] = []  # requests whose proposers ran this step
+        self._corpus_ok = len(requests) <= CORPUS_MAX_REQUESTS
         for request, room in zip(requests, rooms, strict=True):
             request.clear_drafts()
             k = self._wants(request, room)

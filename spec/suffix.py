@@ -103,13 +103,13 @@ class SuffixProposer:
         self._partitions: OrderedDict[str | None, _Partition] = OrderedDict()
         self._total_tokens = 0  # over every partition
 
-    def propose(self, request: Request, k: int) -> Draft:
+    def propose(self, request: Request, k: int, public: bool = True) -> Draft:
         """Up to ``k`` draft tokens for ``request``'s next positions."""
         if k <= 0:
             return _EMPTY
         c = self.config
         best = _EMPTY
-        for tree, context in self._tries(request):
+        for tree, context in self._tries(request, public):
             if isinstance(tree, SuffixCorpus):  # as in propose_tree
                 if best.tokens:
                     break
@@ -121,12 +121,13 @@ class SuffixProposer:
                 best = draft
         return best
 
-    def propose_tree(self, request: Request, max_nodes: int) -> TreeDraft:
+    def propose_tree(self, request: Request, max_nodes: int, public: bool = True
+                     ) -> TreeDraft:
         """Up to ``max_nodes`` drafts as a tree (frequency-scored branches where the context
         continued in several ways) from whichever trie expects more accepted tokens."""
         c = self.config
         best = _EMPTY_TREE
-        for tree, context in self._tries(request):
+        for tree, context in self._tries(request, public):
             if isinstance(tree, SuffixCorpus):
                 if best.tokens:
                     break  # the request's own tries found something: the corpus is not asked
@@ -138,9 +139,11 @@ class SuffixProposer:
                 best = draft
         return best
 
-    def _tries(self, request: Request) -> list[tuple[SuffixTree | SuffixCorpus, list[int]]]:
+    def _tries(self, request: Request, public: bool = True,
+               ) -> list[tuple[SuffixTree | SuffixCorpus, list[int]]]:
         """The tries ``request`` may draft from (its own, its tenant's partition, the public
-        corpus) and its context, after appending its new tokens to its own trie."""
+        corpus unless ``public`` is False) and its context, after appending its new tokens to
+        its own trie."""
         c = self.config
         state = self._requests.get(request.request_id)
         if state is None:
@@ -158,7 +161,7 @@ class SuffixProposer:
             # (a seeded sampled request drafts from its own context only: the random draws
             # it consumes depend on its drafts, and its output must depend only on its seed)
             tries.append((partition.tree, context))
-        if self.corpus is not None:  # fixed text, no other request's: seeded ones too
+        if public and self.corpus is not None:  # fixed text, no other request's: seeded too
             tries.append((self.corpus, context))
         return tries
 

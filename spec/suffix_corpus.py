@@ -98,10 +98,6 @@ class SuffixCorpus:
         self._handle = lib.qd_sc_new(flat.ctypes.data, flat.size, max_depth)
         if not self._handle:
             raise ValueError(f"max_depth must be in [1, 1024], got {max_depth} (or no memory)")
-        self._out_tokens = np.empty(_MAX_NODES, dtype=np.int32)
-        self._out_parents = np.empty(_MAX_NODES, dtype=np.int32)
-        self._out_probs = np.empty(_MAX_NODES, dtype=np.float32)
-        self._out_match = np.empty(1, dtype=np.int32)
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None
@@ -122,15 +118,20 @@ class SuffixCorpus:
         if not 0 <= max_nodes <= _MAX_NODES:
             raise ValueError(f"max_nodes must be in [0, {_MAX_NODES}], got {max_nodes}")
         ctx = np.ascontiguousarray(context[-self.max_depth:], dtype=np.int32)
+        # output buffers per call: engines in one process share a corpus (load_corpus), and
+        # each may step in its own thread
+        tokens = np.empty(max(max_nodes, 1), dtype=np.int32)
+        parents = np.empty_like(tokens)
+        probs = np.empty(tokens.size, dtype=np.float32)
+        match = np.zeros(1, dtype=np.int32)
         n = self._lib.qd_sc_speculate_tree(
             self._handle, ctx.ctypes.data, ctx.size, max_nodes, max_spec_factor,
-            min_token_prob, min_match_len, self.max_sources, self._out_tokens.ctypes.data,
-            self._out_parents.ctypes.data, self._out_probs.ctypes.data,
-            self._out_match.ctypes.data)
+            min_token_prob, min_match_len, self.max_sources, tokens.ctypes.data,
+            parents.ctypes.data, probs.ctypes.data, match.ctypes.data)
         if n < 0:
             raise RuntimeError("qd_sc_speculate_tree failed")
-        return TreeDraft(self._out_tokens[:n].tolist(), self._out_parents[:n].tolist(),
-                         self._out_probs[:n].tolist(), int(self._out_match[0]), public=True)
+        return TreeDraft(tokens[:n].tolist(), parents[:n].tolist(), probs[:n].tolist(),
+                         int(match[0]), public=True)
 
     def speculate(self, context: Sequence[int] | np.ndarray, max_tokens: int,
                   max_spec_factor: float = 1.0, min_token_prob: float = 0.1,

@@ -15,6 +15,7 @@ from quickdraft.engine.request import Request
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec import suffix_corpus
 from quickdraft.spec.draft_head import model_fingerprint
+from quickdraft.spec.speculator import CORPUS_MAX_REQUESTS
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_corpus import SuffixCorpus, find_corpus, read_tokens, write_corpus
 from tests.spec.suffix_corpus_reference import reference_tree
@@ -137,3 +138,27 @@ def test_a_corpus_for_another_target_is_refused(tiny_model_dir, tmp_path):
     write_corpus(tmp_path, [[1, 2, 3]], "not-this-model", "test")
     with pytest.raises(ValueError, match="target_fingerprint"):
         make_engine(tiny_model_dir, "suffix", suffix_corpus=str(tmp_path))
+
+
+def test_the_corpus_is_asked_in_small_steps_only(tiny_model_dir, tmp_path):
+    answer = [10, 11, 12, 13, 14, 15, 16, 17]
+    write_corpus(tmp_path, [answer], model_fingerprint(Path(tiny_model_dir)), "test")
+    spec = make_engine(tiny_model_dir, "suffix", suffix_corpus=str(tmp_path))
+
+    def requests(n: int) -> list[Request]:
+        out = []
+        for i in range(n):  # each has begun the corpus's answer: only the corpus continues it
+            r = Request(f"r{n}-{i}", [1], SamplingParams(max_tokens=64), frozenset())
+            r.output_token_ids = answer[:3]
+            out.append(r)
+        return out
+
+    def corpus_kinds() -> set[str]:
+        return {k for k in spec.speculator._pools if k.startswith("corpus/")}
+
+    many = requests(CORPUS_MAX_REQUESTS + 1)
+    spec.speculator.plan(many, [4] * len(many), len(many), 4 * len(many))
+    assert corpus_kinds() == set() and all(not r.spec_token_ids for r in many)
+    few = requests(CORPUS_MAX_REQUESTS)
+    spec.speculator.plan(few, [4] * len(few), len(few), 4 * len(few))
+    assert corpus_kinds() and all(r.spec_token_ids[:1] == [13] for r in few)
