@@ -25,6 +25,7 @@ from quickdraft.spec.draft_head import (
 )
 from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
 from quickdraft.spec.draft_head_train import TrainConfig, run
+from quickdraft.spec.suffix_corpus import CORPUS_TOKENS, read_tokens
 from tests.conftest import make_tiny_model
 
 
@@ -124,6 +125,11 @@ def test_training_runs_end_to_end_and_lowers_the_loss(trained: tuple[Path, dict]
     assert report["loss_last"] < report["loss_first"]
     assert (out / "draft_head.safetensors").is_file()
     assert 0 <= report["eval"]["mean_accepted"] <= 5
+    # the training answers become the head's public suffix corpus, for the same target
+    corpus = report["suffix_corpus"]
+    assert corpus["target_fingerprint"] == report["target_fingerprint"]
+    assert 0 < corpus["sequences"] <= report["train_conversations"]
+    assert read_tokens(out / CORPUS_TOKENS).size == corpus["tokens"] + corpus["sequences"]
 
 
 def test_training_resumes_without_redoing_finished_stages(
