@@ -232,7 +232,8 @@ class Speculator:
         for d, p, parent in zip(depths, draft.probs, draft.parents, strict=True):
             score = tracker.alpha ** d * (p / top[d] if top[d] > 0 else 0.0)
             scores.append(min(score, scores[parent]) if parent >= 0 else score)
-        return _Candidate(request, "suffix", tree, scores, len(tree), tracker)
+        return _Candidate(request, "corpus" if draft.public else "suffix", tree, scores,
+                          len(tree), tracker)
 
     def _ngram(self, request: Request, k: int) -> list[int]:
         return self.proposer.propose(_context(request, self.proposer.max_context))[:k]

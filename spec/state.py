@@ -27,7 +27,7 @@ import torch
 from quickdraft.spec.policy import AcceptanceTracker
 
 # Where a request's drafts come from: acceptance is tracked per source.
-SOURCES = ("ngram", "suffix", "recycling", "draft", "head")
+SOURCES = ("ngram", "suffix", "corpus", "recycling", "draft", "head")
 
 # Recycling drafts were accepted 26–34 % of the time on spec_bench (SmolLM2, 2026-11-24);
 # the tracker's optimistic 0.6 made every request pay for drafts that mostly fail before it

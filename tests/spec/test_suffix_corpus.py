@@ -131,6 +131,7 @@ def test_greedy_equal_with_the_corpus_and_its_drafts_accepted(tiny_model_dir, co
     # the corpus holds these very answers: its drafts were made and accepted
     pools = spec.speculator._pools
     assert any(kind.startswith("corpus/") for kind in pools)
+    assert spec.speculator.stats.by_source.get("corpus", [0])[0] > 0  # verified as "corpus"
     assert sum(u.num_accepted_tokens for u in usage.values()) > 0
 
 
