@@ -233,12 +233,9 @@ def finish(config: TrainConfig, head: DraftHead, target: str, fingerprint: str,
 
 
 def write_training_corpus(out_dir: Path, rows: list[dict[str, Any]], fingerprint: str,
-                          ) -> dict[str, Any] | None:
-    """The rows' answers as the head directory's public suffix corpus; None (nothing
-    written) for a vocabulary the corpus format cannot hold (ids >= 65535)."""
+                          ) -> dict[str, Any]:
+    """The rows' answers as the head directory's public suffix corpus."""
     answers = [r["output_ids"] for r in rows if r["output_ids"]]
-    if any(t >= 0xFFFF for a in answers for t in a):
-        return None
     return write_corpus(out_dir, answers, fingerprint,
                         "the target's greedy answers to its draft head's training prompts "
                         "(written by this repository or by the target itself)")

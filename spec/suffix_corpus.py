@@ -17,8 +17,8 @@ built in about a second at start-up); a lookup is a few binary searches and a sm
 the matched positions' continuations.
 
 File: ``suffix_corpus.u16.xz`` (xz of little-endian uint16 token ids, 0xFFFF between
-answers) and ``suffix_corpus.json`` (the target's fingerprint, counts, provenance) in a
-shipped head's directory.
+answers; ``.u32.xz`` and 0xFFFFFFFF for a vocabulary of 65,535 ids or more) and
+``suffix_corpus.json`` (the target's fingerprint, counts, provenance) in a head's directory.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from quickdraft.spec.suffix_tree import Draft, TreeDraft
 
 _SOURCE = Path(__file__).with_name("suffix_corpus.c")
 _CFLAGS = ("-O2", "-fPIC", "-shared")
-CORPUS_TOKENS = "suffix_corpus.u16.xz"
 CORPUS_CONFIG = "suffix_corpus.json"
-_SEPARATOR = 0xFFFF  # in the file (uint16); -1 in the index
+# token files by width: name, numpy dtype, the separator in the file (-1 in the index)
+_FORMATS = (("suffix_corpus.u16.xz", "<u2", 0xFFFF), ("suffix_corpus.u32.xz", "<u4", 0xFFFFFFFF))
 _MAX_NODES = 256
 MAX_SOURCES = 256  # matched positions whose continuations one lookup counts
 
@@ -149,28 +149,41 @@ class SuffixCorpus:
         return Draft(tokens, score, tree.match_len)
 
 
+def tokens_file(directory: Path) -> Path:
+    """The corpus token file in ``directory`` (either width)."""
+    for name, _dtype, _sep in _FORMATS:
+        if (directory / name).is_file():
+            return directory / name
+    raise FileNotFoundError(f"no {_FORMATS[0][0]} or {_FORMATS[1][0]} in {directory}")
+
+
 def read_tokens(path: Path) -> np.ndarray:
     """A corpus file's token ids, int32 with -1 between sequences."""
-    raw = np.frombuffer(lzma.decompress(path.read_bytes()), dtype="<u2")
-    out = raw.astype(np.int32)
-    out[raw == _SEPARATOR] = -1
-    return out
+    _name, dtype, separator = next(f for f in _FORMATS if path.name == f[0])
+    raw = np.frombuffer(lzma.decompress(path.read_bytes()), dtype=dtype)
+    out = raw.astype(np.int64)
+    out[raw == separator] = -1
+    return out.astype(np.int32)
 
 
 def write_corpus(directory: Path, sequences: Sequence[Sequence[int]], fingerprint: str,
                  source: str) -> dict[str, object]:
-    """Writes ``sequences`` (token ids < 65535) as a corpus for the target of
-    ``fingerprint``; returns its config."""
+    """Writes ``sequences`` as a corpus for the target of ``fingerprint`` (16-bit ids when
+    every id is below 65,535, else 32-bit; ids must be below 2^31); returns its config."""
+    top = max((max(seq) for seq in sequences if len(seq)), default=0)
+    if top >= 1 << 31 or any(min(seq) < 0 for seq in sequences if len(seq)):
+        raise ValueError("corpus token ids must be in [0, 2^31)")
+    name, dtype, separator = _FORMATS[0] if top < _FORMATS[0][2] else _FORMATS[1]
     flat: list[int] = []
     for seq in sequences:
-        if any(not 0 <= t < _SEPARATOR for t in seq):
-            raise ValueError("corpus token ids must be in [0, 65535)")
         flat.extend(seq)
-        flat.append(_SEPARATOR)
-    data = np.asarray(flat, dtype="<u2").tobytes()
-    (directory / CORPUS_TOKENS).write_bytes(lzma.compress(data, preset=6))
+        flat.append(separator)
+    for stale, _dtype, _sep in _FORMATS:
+        (directory / stale).unlink(missing_ok=True)
+    data = np.asarray(flat, dtype=dtype).tobytes()
+    (directory / name).write_bytes(lzma.compress(data, preset=6))
     config = {"target_fingerprint": fingerprint, "sequences": len(sequences),
-              "tokens": len(flat) - len(sequences), "source": source}
+              "tokens": len(flat) - len(sequences), "file": name, "source": source}
     (directory / CORPUS_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return config
 
@@ -199,4 +212,4 @@ def find_corpus(setting: str | None, fingerprint: str, shipped: Path) -> SuffixC
 def load_corpus(directory: Path) -> SuffixCorpus:
     """The corpus in ``directory``, indexed once per process (it is immutable: engines in
     one process share it; indexing 5 M tokens takes ~1.5 s)."""
-    return SuffixCorpus(read_tokens(directory / CORPUS_TOKENS))
+    return SuffixCorpus(read_tokens(tokens_file(directory)))

@@ -25,7 +25,7 @@ from quickdraft.spec.draft_head import (
 )
 from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
 from quickdraft.spec.draft_head_train import TrainConfig, run
-from quickdraft.spec.suffix_corpus import CORPUS_TOKENS, read_tokens
+from quickdraft.spec.suffix_corpus import read_tokens, tokens_file
 from tests.conftest import make_tiny_model
 
 
@@ -129,7 +129,7 @@ def test_training_runs_end_to_end_and_lowers_the_loss(trained: tuple[Path, dict]
     corpus = report["suffix_corpus"]
     assert corpus["target_fingerprint"] == report["target_fingerprint"]
     assert 0 < corpus["sequences"] <= report["train_conversations"]
-    assert read_tokens(out / CORPUS_TOKENS).size == corpus["tokens"] + corpus["sequences"]
+    assert read_tokens(tokens_file(out)).size == corpus["tokens"] + corpus["sequences"]
 
 
 def test_training_resumes_without_redoing_finished_stages(

@@ -17,7 +17,13 @@ from quickdraft.spec import suffix_corpus
 from quickdraft.spec.draft_head import model_fingerprint
 from quickdraft.spec.speculator import CORPUS_MAX_REQUESTS
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
-from quickdraft.spec.suffix_corpus import SuffixCorpus, find_corpus, read_tokens, write_corpus
+from quickdraft.spec.suffix_corpus import (
+    SuffixCorpus,
+    find_corpus,
+    read_tokens,
+    tokens_file,
+    write_corpus,
+)
 from tests.spec.suffix_corpus_reference import reference_tree
 from tests.spec.test_spec_engine import GREEDY, PROMPTS, make_engine, run_staggered
 
@@ -77,14 +83,19 @@ def test_file_round_trip_and_target_check(tmp_path: Path) -> None:
     seqs = [[5, 6, 7], [65534, 0]]
     config = write_corpus(tmp_path, seqs, "abc", "test")
     assert config["tokens"] == 5 and config["sequences"] == 2
-    assert read_tokens(tmp_path / suffix_corpus.CORPUS_TOKENS).tolist() == _flat(seqs)
+    assert config["file"] == "suffix_corpus.u16.xz"
+    assert read_tokens(tokens_file(tmp_path)).tolist() == _flat(seqs)
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    assert write_corpus(wide, [[151935, 65535], [7]], "abc", "t")["file"].endswith(".u32.xz")
+    assert read_tokens(tokens_file(wide)).tolist() == [151935, 65535, -1, 7, -1]
     assert find_corpus(str(tmp_path), "abc", tmp_path.parent) is not None
     assert find_corpus("none", "abc", tmp_path.parent) is None
     assert find_corpus("auto", "other", tmp_path.parent) is None
     with pytest.raises(ValueError, match="target_fingerprint"):
         find_corpus(str(tmp_path), "other", tmp_path.parent)
-    with pytest.raises(ValueError, match="65535"):
-        write_corpus(tmp_path, [[65535]], "abc", "test")
+    with pytest.raises(ValueError, match="token ids"):
+        write_corpus(tmp_path, [[-3]], "abc", "test")
 
 
 def _request(prompt: list[int], output: list[int]) -> Request:
