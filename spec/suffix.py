@@ -1,13 +1,10 @@
 """The suffix proposer (SuffixDecoding, arXiv 2411.04975): drafts from suffix tries over the
-request's own context and over earlier responses of the same tenant.
+request's own context and over earlier responses of the same tenant, and from a public corpus.
 
-Two kinds of trie (:class:`spec.suffix_tree.SuffixTree`):
+Two kinds of trie (:class:`spec.suffix_tree.SuffixTree`), then the corpus:
 
 * **per request**: its prompt (earlier chat turns included) and its output so far, extended
   incrementally before each proposal and dropped when the request finishes;
-* **public** (when the engine has one): a fixed corpus of the target's own answers to
-  prompts it wrote itself (:mod:`spec.suffix_corpus`), no user's text, drafted from by every
-  request;
 * **global, partitioned by tenant**: the outputs of finished requests, one partition per
   ``cache_salt`` (``None`` is its own partition). A request only ever drafts from its own
   partition: drafts are verified, so another tenant's text could not be *emitted*, but how
@@ -15,11 +12,16 @@ Two kinds of trie (:class:`spec.suffix_tree.SuffixTree`):
   latest outputs up to ``max_partition_tokens`` (oldest dropped first); beyond
   ``max_partitions`` tenants or ``max_total_tokens`` in all, the least recently used
   partitions are dropped whole. A partition's trie is rebuilt from its live outputs when
-  removals leave more dead nodes than live ones.
+  removals leave more dead nodes than live ones;
+* **public** (when the engine has one, and the caller allows it this step): a fixed corpus
+  of the target's own answers to prompts written for it or by it
+  (:class:`spec.suffix_corpus.SuffixCorpus`), no user's text, so every request may draft
+  from it; asked only when both tries find nothing, with its own thresholds
+  (``corpus_min_match_len``, ``corpus_min_token_prob``).
 
-A seeded sampled request drafts from its own trie only: how many random draws verification
-consumes depends on the drafts, and its output must depend on its seed and prompt alone, not
-on what other requests answered before.
+A seeded sampled request drafts from its own trie (and the fixed corpus) only: how many
+random draws verification consumes depends on the drafts, and its output must depend on its
+seed and prompt alone, not on what other requests answered before.
 
 A proposal queries both tries with the context's last ``max_depth`` tokens and keeps the
 draft with the higher score (the expected number of accepted tokens under the trie's
@@ -104,7 +106,8 @@ class SuffixProposer:
         self._total_tokens = 0  # over every partition
 
     def propose(self, request: Request, k: int, public: bool = True) -> Draft:
-        """Up to ``k`` draft tokens for ``request``'s next positions."""
+        """Up to ``k`` draft tokens for ``request``'s next positions (``public`` False: not
+        from the corpus)."""
         if k <= 0:
             return _EMPTY
         c = self.config
@@ -124,7 +127,8 @@ class SuffixProposer:
     def propose_tree(self, request: Request, max_nodes: int, public: bool = True
                      ) -> TreeDraft:
         """Up to ``max_nodes`` drafts as a tree (frequency-scored branches where the context
-        continued in several ways) from whichever trie expects more accepted tokens."""
+        continued in several ways) from whichever trie expects more accepted tokens, else
+        from the corpus (unless ``public`` is False)."""
         c = self.config
         best = _EMPTY_TREE
         for tree, context in self._tries(request, public):

@@ -200,6 +200,9 @@ def find_corpus(setting: str | None, fingerprint: str, shipped: Path) -> SuffixC
                 return load_corpus(path.parent.resolve())
         return None
     directory = Path(setting).expanduser()
+    if not (directory / CORPUS_CONFIG).is_file():
+        raise ValueError(f"suffix corpus {directory}: no {CORPUS_CONFIG} (write one with "
+                         "`quickdraft draft-head corpus`)")
     config = json.loads((directory / CORPUS_CONFIG).read_text())
     if config.get("target_fingerprint") != fingerprint:
         raise ValueError(f"suffix corpus {directory}: target_fingerprint "

@@ -94,6 +94,8 @@ def test_file_round_trip_and_target_check(tmp_path: Path) -> None:
     assert find_corpus("auto", "other", tmp_path.parent) is None
     with pytest.raises(ValueError, match="target_fingerprint"):
         find_corpus(str(tmp_path), "other", tmp_path.parent)
+    with pytest.raises(ValueError, match=r"no suffix_corpus\.json"):
+        find_corpus(str(tmp_path / "missing"), "abc", tmp_path.parent)
     with pytest.raises(ValueError, match="token ids"):
         write_corpus(tmp_path, [[-3]], "abc", "test")
 
