@@ -129,6 +129,15 @@ class LLMEngine:
                                    config.max_background_tokens_with_interactive,
                                    config.max_background_tokens_per_step, self.speculator)
 
+    def describe_speculation(self) -> dict[str, Any]:
+        """What drafts for this engine (for ``/health``): the default method, whether a draft
+        head and a draft model are loaded, and the public suffix corpus's size (None: none)."""
+        suffix = self.speculator.suffix
+        corpus = suffix.corpus if suffix is not None else None
+        return {"method": self.speculation, "draft_head": self.head is not None,
+                "draft_model": self.draft is not None,
+                "suffix_corpus_tokens": corpus.num_tokens if corpus is not None else None}
+
     def _load_draft(self) -> DraftModelRunner | None:
         if self.config.draft_model is None:
             return None

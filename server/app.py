@@ -96,6 +96,9 @@ async def health(request: Request) -> Response:
     threads = getattr(engine, "threads", None)
     if threads is not None:  # CPU threads per step, and the load that chose them
         body["threads"] = threads.describe()
+    describe = getattr(engine, "describe_speculation", None)
+    if describe is not None:  # the default method and what drafts for it
+        body["speculation"] = describe()
     if native := native_kernels(engine):  # "ok", or why a kernel fell back to torch
         body["native_kernels"] = native
         if missing := sorted(k for k, v in native.items() if v != "ok"):

@@ -81,6 +81,10 @@ def test_health_503_while_loading_then_200(tiny_model_dir):
         threads = body["threads"]  # CPU threads per step and the load that chose them
         assert set(threads) == {"mode", "threads", "max_threads", "other_load"}
         assert 1 <= threads["threads"] <= threads["max_threads"]
+        # the default method and what drafts for it (the tiny test model has no shipped
+        # head or corpus)
+        assert body["speculation"] == {"method": "suffix", "draft_head": False,
+                                       "draft_model": False, "suffix_corpus_tokens": None}
         weights = body["weights"]  # int4-q8, int4 or dense, and why (here fp32: no 4-bit)
         assert weights["format"] == "dense" and "4-bit weights not possible" in weights["reason"]
         assert httpx.post(f"{s.http}/v1/chat/completions", json=CHAT).status_code == 200
