@@ -1,5 +1,5 @@
 """What the public suffix corpus (spec/suffix_corpus.py) adds to suffix decoding: one engine,
-spec_bench's prompts, each prompt (C=1) or category batch (C=8) run with speculation off,
+spec_bench's prompts, each prompt (C=1) or category batch of C run with speculation off,
 ``suffix`` without the corpus and ``suffix`` with it, the order reversed every other time,
 so the three share the machine's drift. The policy's observed step cost is frozen (its
 start-up curve), so both suffix runs take their decisions from the same prices and only the
@@ -34,6 +34,7 @@ from common import (
 from spec_bench import build_engine, load_prompts, parse_args
 
 from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.spec import speculator as speculator_module
 from quickdraft.spec.params import SpeculationParams
 
 ARMS = (("off", False), ("suffix", False), ("suffix", True))  # (method, with the corpus)
@@ -64,13 +65,22 @@ def run_batch(engine: Any, batch: list[list[int]], method: str, params: Sampling
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--concurrency", type=int, default=1, choices=(1, 8))
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="1: one prompt at a time; C > 1: each category's prompts cycled "
+                        "into a batch of C")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--corpus-max-requests", type=int, default=None,
+                   help="ask the corpus in steps of at most this many requests (default: "
+                        "the engine's CORPUS_MAX_REQUESTS)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--tag", default=None, help="results file suffix")
     args = p.parse_args(argv)
+    if args.concurrency < 1 or args.repeats < 1:
+        p.error("--concurrency and --repeats must be >= 1")
     engine, _ = build_engine(parse_args(["--methods", "off,suffix", "--concurrency",
                                          str(args.concurrency)]))
+    if args.corpus_max_requests is not None:
+        speculator_module.CORPUS_MAX_REQUESTS = args.corpus_max_requests
     suffix = engine.speculator.suffix
     if suffix is None or suffix.corpus is None:
         sys.exit("no suffix corpus for this model (or no gcc): nothing to compare")
@@ -114,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     name = f"suffix_corpus_ab_c{args.concurrency}" + (f"_{args.tag}" if args.tag else "")
     write_json({"benchmark": "suffix_corpus_ab", "machine": machine_info(),
                 "config": {"concurrency": args.concurrency, "repeats": args.repeats,
+                           "corpus_max_requests": speculator_module.CORPUS_MAX_REQUESTS,
                            "max_tokens": args.max_tokens, "corpus_tokens": corpus.num_tokens,
                            "observed_cost": "frozen"},
                 "rows": rows}, RESULTS_DIR / f"{name}.json")

@@ -83,11 +83,13 @@ HEAD_NODES_PER_DRAFT = 2
 
 
 # The public suffix corpus is asked only in steps of at most this many decoding requests: its
-# drafts are accepted less often than a request's own (~40-55 %), which pays where a few
-# extra rows cost little but not in a batch whose rows are already compute-bound. Same-
-# process A/Bs (benchmarks/suffix_corpus_ab.py, 2026-11-27, 2-core AVX512-BF16 EPYC):
-# C=1 1.371x -> 1.457x over off with it, C=8 1.089x -> 1.075x and 1.046x -> 1.061x.
-CORPUS_MAX_REQUESTS = 2
+# drafts are accepted less often than a request's own (~40-55 %), which pays where extra rows
+# cost little but not in a batch whose rows are already compute-bound. Same-process A/Bs
+# (benchmarks/suffix_corpus_ab.py, 2026-11-27, 2-core AVX512-BF16 EPYC), decode speed-up
+# over off without -> with it: C=1 1.371x -> 1.457x, C=2 1.345x -> 1.460x, C=4 1.254x ->
+# 1.284x and 1.225x -> 1.270x; C=8 asked at any size 1.089x -> 1.075x and 1.046x -> 1.061x,
+# asked at <= 4 requests 1.091x -> 1.095x.
+CORPUS_MAX_REQUESTS = 4
 
 # Pooled acceptance estimates follow many requests' verifications: slower than a request's.
 POOLED_DECAY = 0.95
