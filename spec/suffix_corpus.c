@@ -1,5 +1,5 @@
 /* A fixed corpus of token sequences that suffix decoding drafts from, beside its tries: the
- * target's own answers to prompts it wrote itself (spec/suffix_corpus.py says where they
+ * target's own answers to prompts written for it or by it (spec/suffix_corpus.py: where they
  * come from). A depth-limited trie over millions of tokens would take gigabytes, so the
  * corpus is indexed by a suffix array over *reversed* contexts instead: 4 bytes a token.
  *
