@@ -162,7 +162,6 @@ class Speculator:
         # request's prior (acceptance rates only: nothing of any request's content)
         self._pools: dict[str, AcceptanceTracker] = {}
         self._chains_only = False  # this step verifies chains only (see _plan)
-        self._corpus_ok = True  # this step may draft from the public corpus (see _plan)
 
     def method_of(self, request: Request) -> str:
         params: SpeculationParams | None = request.spec_params
@@ -177,7 +176,8 @@ class Speculator:
         k = params.k if params and params.k is not None else self.max_k
         return max(min(k, self.max_k, room), 0)
 
-    def _candidate(self, request: Request, k: int) -> _Candidate | None:
+    def _candidate(self, request: Request, k: int, public: bool = True
+                   ) -> _Candidate | None:
         """The request's proposal under its method: ``suffix`` drafts the suffix tries'
         frequency-scored tree; ``recycling`` a token-recycling tree; ``ngram`` a chain;
         ``combined`` the best of the suffix tree and the draft head's (or draft model's)
@@ -190,14 +190,14 @@ class Speculator:
         docs/benchmarks.md.)"""
         method = self.method_of(request)
         if method == "combined":
-            return self._best_of(request, k)
+            return self._best_of(request, k, public)
         if method == "draft":
             return self._model_candidate(request, k)
         if method == "head":
             return self._head_candidate(request, k)
         found: _Candidate | None = None
         if method == "suffix" and self.suffix is not None:
-            found = self._suffix_tree(request)
+            found = self._suffix_tree(request, public)
         elif method in ("ngram", "suffix"):
             found = self._chain(request, "ngram", self._ngram(request, k))
         if method == "recycling":
@@ -212,13 +212,13 @@ class Speculator:
                           [tracker.alpha ** d for d in range(1, len(drafts) + 1)],
                           len(drafts), tracker)
 
-    def _suffix_tree(self, request: Request) -> _Candidate | None:
+    def _suffix_tree(self, request: Request, public: bool = True) -> _Candidate | None:
         """The suffix tries' frequency-scored tree. A node at depth d scores like a chain's
         d-th draft (``alpha^d``) times its path probability relative to the likeliest node
         at its depth (so the likeliest path is exactly a chain's scores, and a branch the
         context took a third as often scores a third), capped by its parent's score."""
         assert self.suffix is not None
-        draft = self.suffix.propose_tree(request, MAX_TREE_NODES, public=self._corpus_ok)
+        draft = self.suffix.propose_tree(request, MAX_TREE_NODES, public)
         if not draft.tokens:
             return None
         # acceptance is tracked per match length: a draft continuing a long matched suffix
@@ -264,7 +264,8 @@ class Speculator:
             return None
         return _Candidate(request, "head", None, [], k, self._tracker(request, "head"))
 
-    def _best_of(self, request: Request, k: int) -> _Candidate | None:
+    def _best_of(self, request: Request, k: int, public: bool = True
+                 ) -> _Candidate | None:
         """``combined``: the proposal expected to accept the most drafts this step. The
         suffix tries' tree costs nothing to draft, so the draft head's (or draft model's)
         chain, priced at its pooled-then-per-request acceptance, is taken when the tries
@@ -278,7 +279,7 @@ class Speculator:
         the 2-core AVX512-BF16 EPYC (2026-11-25) that came out 1.18x against suffix trees'
         1.36x: its proposers took 1.0 ms a step against suffix's 0.17 ms (the recycling
         tables' upkeep alone ~0.4 ms), and the suffix trie finds what n-gram chains do.)"""
-        free = (self._suffix_tree(request) if self.suffix is not None
+        free = (self._suffix_tree(request, public) if self.suffix is not None
                 else self._chain(request, "ngram", self._ngram(request, k)))
         model = self._head_candidate(request, k) or self._model_candidate(request, k)
         if free is None or model is None:
@@ -338,7 +339,7 @@ class Speculator:
               budget: int) -> None:
         candidates: list[_Candidate] = []
         looked: list[Request] = []  # requests whose proposers ran this step
-        self._corpus_ok = len(requests) <= CORPUS_MAX_REQUESTS
+        public = len(requests) <= CORPUS_MAX_REQUESTS  # may draft from the public corpus
         for request, room in zip(requests, rooms, strict=True):
             request.clear_drafts()
             k = self._wants(request, room)
@@ -348,7 +349,7 @@ class Speculator:
                 continue
             if k:
                 looked.append(request)
-            if k and (candidate := self._candidate(request, k)) is not None:
+            if k and (candidate := self._candidate(request, k, public)) is not None:
                 for c in (candidate, candidate.fallback):
                     if c is None:
                         continue

@@ -106,48 +106,45 @@ class SuffixProposer:
         self._total_tokens = 0  # over every partition
 
     def propose(self, request: Request, k: int, public: bool = True) -> Draft:
-        """Up to ``k`` draft tokens for ``request``'s next positions (``public`` False: not
-        from the corpus)."""
+        """Up to ``k`` draft tokens for ``request``'s next positions: the tries' best, else
+        the corpus's (unless ``public`` is False)."""
         if k <= 0:
             return _EMPTY
         c = self.config
+        tries, context = self._tries(request)
         best = _EMPTY
-        for tree, context in self._tries(request, public):
-            if isinstance(tree, SuffixCorpus):  # as in propose_tree
-                if best.tokens:
-                    break
-                return tree.speculate(context, k, c.max_spec_factor, c.corpus_min_token_prob,
-                                      c.corpus_min_match_len)
+        for tree in tries:
             draft = tree.speculate(context, k, c.max_spec_factor, c.min_token_prob,
                                    c.min_match_len)
             if draft.score > best.score:
                 best = draft
+        if not best.tokens and public and self.corpus is not None:
+            best = self.corpus.speculate(context, k, c.max_spec_factor,
+                                         c.corpus_min_token_prob, c.corpus_min_match_len)
         return best
 
     def propose_tree(self, request: Request, max_nodes: int, public: bool = True
                      ) -> TreeDraft:
         """Up to ``max_nodes`` drafts as a tree (frequency-scored branches where the context
-        continued in several ways) from whichever trie expects more accepted tokens, else
-        from the corpus (unless ``public`` is False)."""
+        continued in several ways) from whichever trie expects more accepted tokens; when
+        neither finds anything, from the corpus (unless ``public`` is False)."""
         c = self.config
+        tries, context = self._tries(request)
         best = _EMPTY_TREE
-        for tree, context in self._tries(request, public):
-            if isinstance(tree, SuffixCorpus):
-                if best.tokens:
-                    break  # the request's own tries found something: the corpus is not asked
-                return tree.speculate_tree(context, max_nodes, c.max_spec_factor,
-                                           c.corpus_min_token_prob, c.corpus_min_match_len)
+        for tree in tries:
             draft = tree.speculate_tree(context, max_nodes, c.max_spec_factor,
                                         c.min_token_prob, c.min_match_len)
             if sum(draft.probs) > sum(best.probs):
                 best = draft
+        if not best.tokens and public and self.corpus is not None:
+            # fixed text, no other request's: seeded sampled requests may use it too
+            best = self.corpus.speculate_tree(context, max_nodes, c.max_spec_factor,
+                                              c.corpus_min_token_prob, c.corpus_min_match_len)
         return best
 
-    def _tries(self, request: Request, public: bool = True,
-               ) -> list[tuple[SuffixTree | SuffixCorpus, list[int]]]:
-        """The tries ``request`` may draft from (its own, its tenant's partition, the public
-        corpus unless ``public`` is False) and its context, after appending its new tokens to
-        its own trie."""
+    def _tries(self, request: Request) -> tuple[list[SuffixTree], list[int]]:
+        """The tries ``request`` may draft from (its own, then its tenant's partition) and
+        its context, after appending its new tokens to its own trie."""
         c = self.config
         state = self._requests.get(request.request_id)
         if state is None:
@@ -159,15 +156,13 @@ class SuffixProposer:
             state.tree.append(0, request.token_ids_slice(state.appended, n))
             state.appended = n
         context = request.token_ids_slice(max(n - c.max_depth, 0), n)
-        tries: list[tuple[SuffixTree | SuffixCorpus, list[int]]] = [(state.tree, context)]
+        tries = [state.tree]
         partition = self._partitions.get(request.cache_salt)
         if partition is not None and not request.sampling_params.seeded_sampling:
             # (a seeded sampled request drafts from its own context only: the random draws
             # it consumes depend on its drafts, and its output must depend only on its seed)
-            tries.append((partition.tree, context))
-        if public and self.corpus is not None:  # fixed text, no other request's: seeded too
-            tries.append((self.corpus, context))
-        return tries
+            tries.append(partition.tree)
+        return tries, context
 
     def finish(self, request: Request) -> None:
         """Drop the request's trie; add its output to its tenant's partition."""

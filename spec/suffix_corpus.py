@@ -93,6 +93,7 @@ class SuffixCorpus:
             raise ValueError(f"max_sources must be >= 1, got {max_sources}")
         self._lib = lib
         self._tokens = flat  # the index points into it: kept alive with it
+        self.num_tokens = int(np.count_nonzero(flat >= 0))
         self.max_depth = max_depth
         self.max_sources = max_sources
         self._handle = lib.qd_sc_new(flat.ctypes.data, flat.size, max_depth)
@@ -103,10 +104,6 @@ class SuffixCorpus:
         handle, self._handle = getattr(self, "_handle", None), None
         if handle:
             self._lib.qd_sc_free(handle)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(np.count_nonzero(self._tokens >= 0))
 
     @property
     def num_starts(self) -> int:
