@@ -57,6 +57,23 @@ QD_INLINE __m256 exp_ps(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
+/* max(s[0..n)), n >= 1, 8 lanes at a time (max is exact: the same value as a scalar scan;
+ * the scores are finite). */
+QD_INLINE float chunk_max(const float* s, int n) {
+    int j = 0;
+    float best = s[0];
+    if (n >= 8) {
+        __m256 v = _mm256_loadu_ps(s);
+        for (j = 8; j + 8 <= n; j += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        best = _mm_cvtss_f32(h);
+    }
+    for (; j < n; ++j) best = s[j] > best ? s[j] : best;
+    return best;
+}
+
 /* Converts the n K and V rows of a chunk to fp32: kf, vf [n][D] (exact: bf16 -> fp32). */
 QD_INLINE void load_chunk(const uint16_t* const* krow, const uint16_t* const* vrow, int n,
                           int D, float* kf, float* vf) {
@@ -65,6 +82,43 @@ QD_INLINE void load_chunk(const uint16_t* const* krow, const uint16_t* const* vr
             _mm256_store_ps(kf + (size_t)j * D + dd, load_bf16(krow[j] + dd));
             _mm256_store_ps(vf + (size_t)j * D + dd, load_bf16(vrow[j] + dd));
         }
+}
+
+/* acc[h] += sum_j w[h][j] * v_j for GN (1..4, a constant once inlined) heads: w [GN][QD_CHUNK],
+ * acc [GN][D], vf [n][D]; 16 dims at a time (then 8), the accumulators in registers over
+ * the chunk, each summing over j in order. */
+QD_INLINE void pv_heads(const float* w, float* acc, const float* vf, int n, int D, int GN) {
+    int dd = 0;
+    for (; dd + 16 <= D; dd += 16) {
+        __m256 a[4][2];
+        for (int h = 0; h < GN; ++h) {
+            a[h][0] = _mm256_load_ps(acc + (size_t)h * D + dd);
+            a[h][1] = _mm256_load_ps(acc + (size_t)h * D + dd + 8);
+        }
+        for (int j = 0; j < n; ++j) {
+            const float* vr = vf + (size_t)j * D + dd;
+            const __m256 v0 = _mm256_load_ps(vr), v1 = _mm256_load_ps(vr + 8);
+            for (int h = 0; h < GN; ++h) {
+                const __m256 wj = _mm256_broadcast_ss(w + h * QD_CHUNK + j);
+                a[h][0] = _mm256_fmadd_ps(wj, v0, a[h][0]);
+                a[h][1] = _mm256_fmadd_ps(wj, v1, a[h][1]);
+            }
+        }
+        for (int h = 0; h < GN; ++h) {
+            _mm256_store_ps(acc + (size_t)h * D + dd, a[h][0]);
+            _mm256_store_ps(acc + (size_t)h * D + dd + 8, a[h][1]);
+        }
+    }
+    for (; dd < D; dd += 8) {
+        __m256 a[4];
+        for (int h = 0; h < GN; ++h) a[h] = _mm256_load_ps(acc + (size_t)h * D + dd);
+        for (int j = 0; j < n; ++j) {
+            const __m256 v0 = _mm256_load_ps(vf + (size_t)j * D + dd);
+            for (int h = 0; h < GN; ++h)
+                a[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + h * QD_CHUNK + j), v0, a[h]);
+        }
+        for (int h = 0; h < GN; ++h) _mm256_store_ps(acc + (size_t)h * D + dd, a[h]);
+    }
 }
 
 /* One row's online-softmax step over a chunk of n converted positions, for its G heads.
@@ -121,8 +175,7 @@ static QD_TARGET void row_chunk(const float* qs, float* acc, float* m, float* l,
     /* online softmax: new max, rescale, weights */
     for (int g = 0; g < G; ++g) {
         float* sg = sc + g * QD_CHUNK;
-        float cmax = sg[0];
-        for (int j = 1; j < n; ++j) cmax = sg[j] > cmax ? sg[j] : cmax;
+        float cmax = chunk_max(sg, n);
         const float mnew = cmax > m[g] ? cmax : m[g];
         if (mnew > m[g]) {
             const float alpha = expf(m[g] - mnew); /* 0 on the first chunk */
@@ -150,33 +203,16 @@ static QD_TARGET void row_chunk(const float* qs, float* acc, float* m, float* l,
         }
         l[g] += hsum(vsum);
     }
-    /* acc[g] += sum_j w[g][j] * v_j (the accumulator stays in registers over the chunk) */
-    for (int g = 0; g < G; ++g) {
-        const float* wg = sc + g * QD_CHUNK;
-        float* ag = acc + (size_t)g * D;
-        int dd = 0;
-        for (; dd + 32 <= D; dd += 32) {
-            __m256 a0 = _mm256_load_ps(ag + dd), a1 = _mm256_load_ps(ag + dd + 8);
-            __m256 a2 = _mm256_load_ps(ag + dd + 16), a3 = _mm256_load_ps(ag + dd + 24);
-            for (int j = 0; j < n; ++j) {
-                const __m256 w = _mm256_broadcast_ss(wg + j);
-                const float* vr = vf + (size_t)j * D + dd;
-                a0 = _mm256_fmadd_ps(w, _mm256_load_ps(vr), a0);
-                a1 = _mm256_fmadd_ps(w, _mm256_load_ps(vr + 8), a1);
-                a2 = _mm256_fmadd_ps(w, _mm256_load_ps(vr + 16), a2);
-                a3 = _mm256_fmadd_ps(w, _mm256_load_ps(vr + 24), a3);
-            }
-            _mm256_store_ps(ag + dd, a0);
-            _mm256_store_ps(ag + dd + 8, a1);
-            _mm256_store_ps(ag + dd + 16, a2);
-            _mm256_store_ps(ag + dd + 24, a3);
-        }
-        for (; dd < D; dd += 8) {
-            __m256 a0 = _mm256_load_ps(ag + dd);
-            for (int j = 0; j < n; ++j)
-                a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(wg + j),
-                                     _mm256_load_ps(vf + (size_t)j * D + dd), a0);
-            _mm256_store_ps(ag + dd, a0);
+    /* acc[g] += sum_j w[g][j] * v_j, heads in groups of up to 4 (each V load serves the
+     * group; every accumulator still sums its terms over j in order, as one head alone) */
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const float* wg = sc + g0 * QD_CHUNK;
+        float* ag = acc + (size_t)g0 * D;
+        switch (G - g0 < 4 ? G - g0 : 4) {
+        case 1: pv_heads(wg, ag, vf, n, D, 1); break;
+        case 2: pv_heads(wg, ag, vf, n, D, 2); break;
+        case 3: pv_heads(wg, ag, vf, n, D, 3); break;
+        default: pv_heads(wg, ag, vf, n, D, 4); break;
         }
     }
 }
