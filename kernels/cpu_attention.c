@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "cpu_attention_lane.h"
+#include "cpu_attention_dot.h"
 #include "cpu_bf16.h"
 
 #define QD_MAX_GD 8192       /* max (query heads per kv head) * head_dim */
@@ -71,6 +72,7 @@ typedef struct {
     uint16_t* out;
     int heads, kv_heads, d, block_size, num_blocks, max_blocks, num_seqs;
     float scale;
+    int dot; /* the AVX512-BF16 lane (cpu_attention_dot.h) for every lane of the call */
 } Args;
 
 /* Where one query row's visible positions lie: visible index v < contig is position v; the
@@ -104,12 +106,17 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
 
     RowSpan span[QD_MAX_ROWS];
     /* lane (r, h) = r * NH + h: its q (pre-scaled) and accumulator [G][D], max and sum [G] */
-    float qs[QD_ROW_FLOATS] __attribute__((aligned(32)));
-    float acc[QD_ROW_FLOATS] __attribute__((aligned(32)));
+    float qs[QD_ROW_FLOATS] __attribute__((aligned(64)));
+    float acc[QD_ROW_FLOATS] __attribute__((aligned(64)));
     float m[QD_MAX_LANES * 64], l[QD_MAX_LANES * 64];
-    float sc[64 * QD_CHUNK] __attribute__((aligned(32)));      /* [G][QD_CHUNK] */
-    float kf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(32)));
-    float vf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(32)));
+    float sc[64 * QD_CHUNK] __attribute__((aligned(64)));      /* [G][QD_CHUNK] */
+    float kf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(64)));
+    float vf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(64)));
+    /* the dot lane's q (bf16, unscaled) and packed chunk live in the fp32 lane's buffers */
+    uint16_t* const qb = (uint16_t*)qs;
+    uint32_t* const kt = (uint32_t*)kf;
+    uint32_t* const vi = (uint32_t*)vf;
+    const int dot = a->dot;
     const uint16_t* krow[QD_CHUNK];
     const uint16_t* vrow[QD_CHUNK];
     size_t offs[QD_CHUNK]; /* a chunk's positions (their head 0) in the cache */
@@ -130,7 +137,10 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
             const uint16_t* qsrc = a->q + (size_t)t * a->ldq + (size_t)(h0 + h) * GD;
             const size_t lane = (size_t)r * NH + h;
             for (int x = 0; x < GD; x += 8) {
-                _mm256_store_ps(qs + lane * GD + x, _mm256_mul_ps(load_bf16(qsrc + x), vscale));
+                if (dot)
+                    memcpy(qb + lane * GD + x, qsrc + x, 8 * sizeof(uint16_t));
+                else
+                    _mm256_store_ps(qs + lane * GD + x, _mm256_mul_ps(load_bf16(qsrc + x), vscale));
                 _mm256_store_ps(acc + lane * GD + x, _mm256_setzero_ps());
             }
             for (int g = 0; g < G; ++g) { m[lane * G + g] = -INFINITY; l[lane * G + g] = 0.0f; }
@@ -161,7 +171,10 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                 krow[j] = a->k + ahead[cur][j] + head_off;
                 vrow[j] = a->v + ahead[cur][j] + head_off;
             }
-            load_chunk(krow, vrow, QD_CHUNK, D, kf, vf);
+            if (dot)
+                pack_chunk_dot(krow, vrow, QD_CHUNK, D, kt, vi);
+            else
+                load_chunk(krow, vrow, QD_CHUNK, D, kf, vf);
             if (next)
                 for (int j = 0; j < QD_CHUNK; ++j)
                     for (int x = 0; x < D; x += 32) { /* 64-byte lines */
@@ -172,8 +185,12 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                     }
             for (int r = 0; r < R; ++r) {
                 const size_t lane = (size_t)r * NH + h;
-                row_chunk(qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc, kf,
-                          vf, QD_CHUNK, G, D);
+                if (dot)
+                    row_chunk_dot(qb + lane * GD, acc + lane * GD, m + lane * G, l + lane * G,
+                                  sc, kt, vi, QD_CHUNK, G, D, a->scale);
+                else
+                    row_chunk(qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc,
+                              kf, vf, QD_CHUNK, G, D);
             }
         }
     }
@@ -199,9 +216,15 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                     krow[j] = a->k + offs[j] + head_off;
                     vrow[j] = a->v + offs[j] + head_off;
                 }
-                load_chunk(krow, vrow, n, D, kf, vf);
-                row_chunk(qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc, kf,
-                          vf, n, G, D);
+                if (dot) {
+                    pack_chunk_dot(krow, vrow, n, D, kt, vi);
+                    row_chunk_dot(qb + lane * GD, acc + lane * GD, m + lane * G, l + lane * G,
+                                  sc, kt, vi, n, G, D, a->scale);
+                } else {
+                    load_chunk(krow, vrow, n, D, kf, vf);
+                    row_chunk(qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc,
+                              kf, vf, n, G, D);
+                }
             }
         }
     }
@@ -218,6 +241,22 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
             }
         }
     return QD_OK;
+}
+
+/* Which lane every call runs: 0 the fp32 lane (AVX2 + FMA), 1 the AVX512-BF16 dot lane
+ * (head_dim % 32 == 0; other head sizes keep the fp32 lane). Set once at load by
+ * kernels/cpu_attention.py, before any call (the two give different bits: a process keeps
+ * one, so decoding and verification agree). */
+static int qd_dot = 0;
+
+/* Selects the lane (see qd_dot; on < 0: leaves it); returns the lane now in use: the dot
+ * lane is refused (0) on a CPU without AVX512-BF16. */
+int qd_attention_use_dot(int on) {
+    if (on < 0) return qd_dot;
+    __builtin_cpu_init();
+    qd_dot = on && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
+             && __builtin_cpu_supports("avx512vl");
+    return qd_dot;
 }
 
 /* Checks the arguments and the query layout (query_start_loc: int32 [num_seqs + 1], 0,
@@ -263,7 +302,7 @@ static int prepare(Args* a, long long* total, const void* q, size_t ldq, const v
     const Args args = {(const uint16_t*)q, ldq, (const uint16_t*)kv,
                        (const uint16_t*)kv + kv_half, block_tables, seq_lens, query_start_loc,
                        tree_mask, (uint16_t*)out, heads, kv_heads, d, block_size, num_blocks,
-                       max_blocks, num_seqs, scale};
+                       max_blocks, num_seqs, scale, qd_dot && d % 32 == 0};
     *a = args;
     *total = work;
     return QD_OK;

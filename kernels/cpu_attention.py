@@ -2,7 +2,12 @@
 
 ``cpu_attention.c`` walks each sequence's block table directly (no gather of K/V), handles
 all query heads of a kv-head group together (GQA: each K/V row is read once per group), and
-uses an online softmax in fp32 over chunks of positions. A sequence's query rows (draft rows
+uses an online softmax in fp32 over chunks of positions. Two lanes compute it (one per
+process, :func:`lane`): on a CPU with AVX512-BF16, q K^T and P V are bf16 pair dot products
+(``vdpbf16ps``, fp32 accumulation, P rounded to bf16 first as GPU flash attention does;
+``cpu_attention_dot.h``); elsewhere, or with ``QUICKDRAFT_ATTENTION=fp32``, K and V are
+converted to fp32 and multiplied with fp32 FMAs (``cpu_attention_lane.h``). They differ in
+the last bits, and each keeps every invariant below. A sequence's query rows (draft rows
 being verified, a prefill chunk) share each chunk of K/V read from the cache: at long
 contexts the kernel is memory-bound, so the extra rows cost little more than their
 arithmetic. It is built with gcc on first use
@@ -47,6 +52,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -60,6 +66,8 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 _CPU_FLAGS = frozenset({"avx2", "fma"})
+_DOT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+LANES = ("fp32", "dot")
 _BF16 = torch.bfloat16
 _I32 = torch.int32
 _I64 = torch.int64
@@ -76,6 +84,7 @@ _int = ctypes.c_int
 class _Lib(NamedTuple):
     ragged: Callable[..., int]
     write_attend: Callable[..., int]
+    use_dot: Callable[[int], int]
     dll: ctypes.CDLL
 
 
@@ -99,7 +108,58 @@ def _lib() -> _Lib | None:
     both = lib.qd_write_kv_attention_bf16
     both.argtypes = [_vp, _int, *[_vp] * 7, *[_int] * 8, ctypes.c_float, _int]
     both.restype = _int
-    return _Lib(fn, both, lib)
+    use_dot = lib.qd_attention_use_dot
+    use_dot.argtypes = [_int]
+    use_dot.restype = _int
+    chosen = _default_lane()
+    if use_dot(int(chosen == "dot")) != int(chosen == "dot"):
+        log.warning("cpu_attention: the dot lane was refused; using the fp32 lane")
+    return _Lib(fn, both, use_dot, lib)
+
+
+def _default_lane() -> str:
+    """``QUICKDRAFT_ATTENTION`` (fp32 or dot) if set, else dot where the CPU has AVX512-BF16
+    (measured on the 2-core AVX512-BF16 EPYC: 0.60-0.72x the fp32 lane's time per call,
+    docs/kernels.md), else fp32."""
+    forced = os.environ.get("QUICKDRAFT_ATTENTION", "").strip().lower()
+    if forced in LANES:
+        if forced == "dot" and not dot_supported():
+            log.warning("QUICKDRAFT_ATTENTION=dot: this CPU has no AVX512-BF16; using fp32")
+            return "fp32"
+        return forced
+    if forced:
+        log.warning("QUICKDRAFT_ATTENTION=%s is not one of %s; ignored", forced, LANES)
+    return "dot" if dot_supported() else "fp32"
+
+
+def dot_supported() -> bool:
+    """Whether this CPU can run the dot lane (AVX512-BF16; whether it is built aside)."""
+    return cbuild.cpu_has(_DOT_FLAGS)
+
+
+def lane() -> str:
+    """The lane this process computes attention with: ``"dot"`` or ``"fp32"`` (see the
+    module docstring); ``"fp32"`` when the kernel is not available."""
+    lib = _lib() if available() else None
+    return "dot" if lib is not None and lib.use_dot(-1) else "fp32"
+
+
+def set_lane(name: str) -> str:
+    """Switch every later call (the native layer's too) to lane ``name``; returns the lane
+    before. For tests and benchmarks that compare the lanes: a server keeps the lane it
+    started with (the lanes differ in the last bits, and decoding and verification must
+    agree). Raises ValueError for an unknown lane, RuntimeError when ``"dot"`` cannot run
+    here or the kernel is not available."""
+    if name not in LANES:
+        raise ValueError(f"lane must be one of {LANES}, got {name!r}")
+    lib = _lib() if available() else None
+    if lib is None:
+        raise RuntimeError("the CPU attention kernel is not available")
+    before = "dot" if lib.use_dot(-1) else "fp32"
+    if lib.use_dot(int(name == "dot")) != int(name == "dot"):
+        lib.use_dot(int(before == "dot"))
+        raise RuntimeError("this CPU has no AVX512-BF16: the dot lane cannot run")
+    return before
 
 
 def available() -> bool:

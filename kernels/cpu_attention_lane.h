@@ -121,6 +121,42 @@ QD_INLINE void pv_heads(const float* w, float* acc, const float* vf, int n, int 
     }
 }
 
+/* The online-softmax step of one row's G heads over a chunk of n scores sc [G][QD_CHUNK]:
+ * the new running max m and sum l, the accumulators acc [G][D] rescaled when the max
+ * rises, and sc[g][j < n] replaced by the weights exp(s - m). */
+QD_INLINE void softmax_step(float* sc, float* acc, float* m, float* l, int n, int G, int D) {
+    for (int g = 0; g < G; ++g) {
+        float* sg = sc + g * QD_CHUNK;
+        float cmax = chunk_max(sg, n);
+        const float mnew = cmax > m[g] ? cmax : m[g];
+        if (mnew > m[g]) {
+            const float alpha = expf(m[g] - mnew); /* 0 on the first chunk */
+            l[g] *= alpha;
+            const __m256 va = _mm256_set1_ps(alpha);
+            float* ag = acc + (size_t)g * D;
+            for (int dd = 0; dd < D; dd += 8)
+                _mm256_store_ps(ag + dd, _mm256_mul_ps(_mm256_load_ps(ag + dd), va));
+            m[g] = mnew;
+        }
+        const __m256 vm = _mm256_set1_ps(mnew);
+        __m256 vsum = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(sg + j), vm));
+            _mm256_store_ps(sg + j, w);
+            vsum = _mm256_add_ps(vsum, w);
+        }
+        if (j < n) {
+            float tmp[8] __attribute__((aligned(32)));
+            for (int t = 0; t < 8; ++t) tmp[t] = j + t < n ? sg[j + t] : mnew;
+            __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(tmp), vm));
+            _mm256_store_ps(tmp, w);
+            for (int t = 0; j + t < n; ++t) { sg[j + t] = tmp[t]; l[g] += tmp[t]; }
+        }
+        l[g] += hsum(vsum);
+    }
+}
+
 /* One row's online-softmax step over a chunk of n converted positions, for its G heads.
  * qs [G][D] (q pre-scaled), acc [G][D], m, l [G] are the row's running state; sc is
  * [G][QD_CHUNK] scratch. The arithmetic depends only on the row's state and the chunk. */
@@ -172,37 +208,7 @@ static QD_TARGET void row_chunk(const float* qs, float* acc, float* m, float* l,
             sg[j] = hsum(s0);
         }
     }
-    /* online softmax: new max, rescale, weights */
-    for (int g = 0; g < G; ++g) {
-        float* sg = sc + g * QD_CHUNK;
-        float cmax = chunk_max(sg, n);
-        const float mnew = cmax > m[g] ? cmax : m[g];
-        if (mnew > m[g]) {
-            const float alpha = expf(m[g] - mnew); /* 0 on the first chunk */
-            l[g] *= alpha;
-            const __m256 va = _mm256_set1_ps(alpha);
-            float* ag = acc + (size_t)g * D;
-            for (int dd = 0; dd < D; dd += 8)
-                _mm256_store_ps(ag + dd, _mm256_mul_ps(_mm256_load_ps(ag + dd), va));
-            m[g] = mnew;
-        }
-        const __m256 vm = _mm256_set1_ps(mnew);
-        __m256 vsum = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 8 <= n; j += 8) {
-            const __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(sg + j), vm));
-            _mm256_store_ps(sg + j, w);
-            vsum = _mm256_add_ps(vsum, w);
-        }
-        if (j < n) {
-            float tmp[8] __attribute__((aligned(32)));
-            for (int t = 0; t < 8; ++t) tmp[t] = j + t < n ? sg[j + t] : mnew;
-            __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(tmp), vm));
-            _mm256_store_ps(tmp, w);
-            for (int t = 0; j + t < n; ++t) { sg[j + t] = tmp[t]; l[g] += tmp[t]; }
-        }
-        l[g] += hsum(vsum);
-    }
+    softmax_step(sc, acc, m, l, n, G, D);
     /* acc[g] += sum_j w[g][j] * v_j, heads in groups of up to 4 (each V load serves the
      * group; every accumulator still sums its terms over j in order, as one head alone) */
     for (int g0 = 0; g0 < G; g0 += 4) {

@@ -15,6 +15,7 @@ import torch
 from quickdraft.kernels import cpu_attention, torch_attention
 from quickdraft.kernels.attention_metadata import build_metadata
 from tests.kernels import attention_oracle as oracle
+from tests.kernels.attention_lanes import attention_lane  # noqa: F401 (autouse: every lane)
 
 needs_kernel = pytest.mark.skipif(
     shutil.which("gcc") is None or not cpu_attention._cpu_supported(),
@@ -391,3 +392,42 @@ def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
     assert cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, untouched, slots,
                                              block_tables, lens, bad_qsl, 0.125) is None
     assert torch.equal(untouched, kv)
+
+
+@needs_kernel
+def test_lane_switch_and_choice(monkeypatch: pytest.MonkeyPatch, attention_lane: str) -> None:
+    assert cpu_attention.lane() == attention_lane
+    with pytest.raises(ValueError, match="lane must be one of"):
+        cpu_attention.set_lane("fp16")
+    assert cpu_attention.lane() == attention_lane  # a refused switch changes nothing
+    monkeypatch.setenv("QUICKDRAFT_ATTENTION", "fp32")
+    assert cpu_attention._default_lane() == "fp32"
+    monkeypatch.setenv("QUICKDRAFT_ATTENTION", "nonsense")
+    want = "dot" if cpu_attention.dot_supported() else "fp32"
+    assert cpu_attention._default_lane() == want  # ignored, with a warning
+    monkeypatch.setenv("QUICKDRAFT_ATTENTION", "dot")
+    assert cpu_attention._default_lane() == want
+    if not cpu_attention.dot_supported():
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            cpu_attention.set_lane("dot")
+        assert cpu_attention.lane() == "fp32"
+
+
+@needs_kernel
+@pytest.mark.skipif(not cpu_attention.dot_supported(), reason="needs AVX512-BF16")
+@pytest.mark.parametrize("dim,runs_dot", [(64, True), (128, True), (48, False)])
+def test_dot_lane_runs_where_head_dim_allows(dim: int, runs_dot: bool) -> None:
+    """The dot lane takes head_dim % 32 == 0 (else the fp32 lane's bits, exactly); where it
+    runs, its result differs from the fp32 lane's in the last bits only."""
+    q, kv, tables, lens, _ = _case(2, [300, 77], 16, 9, 3, dim, seed=5)
+    results = {}
+    for name in cpu_attention.LANES:
+        before = cpu_attention.set_lane(name)
+        try:
+            results[name] = cpu_attention.decode_attention(q, kv, tables, lens, dim ** -0.5)
+        finally:
+            cpu_attention.set_lane(before)
+    fp32, dot = results["fp32"], results["dot"]
+    assert fp32 is not None and dot is not None
+    assert torch.equal(fp32, dot) is not runs_dot
+    torch.testing.assert_close(dot.float(), fp32.float(), atol=1e-2, rtol=1e-2)

@@ -19,6 +19,7 @@ import torch
 from quickdraft.kernels import cpu_attention, torch_attention
 from quickdraft.kernels.attention_metadata import AttentionMetadata, build_metadata, slots_of
 from tests.kernels import attention_oracle as oracle
+from tests.kernels.attention_lanes import attention_lane  # noqa: F401 (autouse: every lane)
 
 needs_kernel = pytest.mark.skipif(
     shutil.which("gcc") is None or not cpu_attention._cpu_supported(),
