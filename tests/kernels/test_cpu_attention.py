@@ -395,11 +395,13 @@ def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
 
 
 @needs_kernel
-def test_lane_switch_and_choice(monkeypatch: pytest.MonkeyPatch, attention_lane: str) -> None:
-    assert cpu_attention.lane() == attention_lane
+def test_lane_switch_and_choice(monkeypatch: pytest.MonkeyPatch,
+                                request: pytest.FixtureRequest) -> None:
+    current = request.node.callspec.params["attention_lane"]
+    assert cpu_attention.lane() == current
     with pytest.raises(ValueError, match="lane must be one of"):
         cpu_attention.set_lane("fp16")
-    assert cpu_attention.lane() == attention_lane  # a refused switch changes nothing
+    assert cpu_attention.lane() == current  # a refused switch changes nothing
     monkeypatch.setenv("QUICKDRAFT_ATTENTION", "fp32")
     assert cpu_attention._default_lane() == "fp32"
     monkeypatch.setenv("QUICKDRAFT_ATTENTION", "nonsense")
