@@ -29,9 +29,11 @@
  * sequences a task takes all kv heads (contiguous in the cache); with few, one kv head and
  * fewer rows, so that the threads have work.
  * Positions are walked in chunks of QD_CHUNK with an online softmax (running max and sum per
- * head; the accumulator is rescaled once per chunk), so no [ctx] buffer is needed. All math is
- * fp32 (bf16 -> fp32 by shift; q is pre-multiplied by scale), the output is rounded to bf16
- * (round-to-nearest-even). exp is a Cephes-style polynomial (rel. error ~1e-7).
+ * head; the accumulator is rescaled once per chunk), so no [ctx] buffer is needed. In the fp32
+ * lane all math is fp32 (bf16 -> fp32 by shift; q is pre-multiplied by scale); the dot lane
+ * (cpu_attention_dot.h, AVX512-BF16, chosen per process: qd_attention_use_dot) takes q K^T and
+ * P V as bf16 pair dot products with fp32 sums, the rest as the fp32 lane. The output is
+ * rounded to bf16 (round-to-nearest-even). exp is a Cephes-style polynomial (rel. error ~1e-7).
  *
  * Tasks run on OpenMP threads only when there is enough work (QD_PAR_TASKS tasks and more
  * than QD_PAR_CTX visible positions in total): waking the pool costs ~10+ us. Threading never
