@@ -101,6 +101,7 @@ async def health(request: Request) -> Response:
         body["speculation"] = describe()
     if native := native_kernels(engine):  # "ok", or why a kernel fell back to torch
         body["native_kernels"] = native
+        body["attention_lane"] = attention_lane()  # "dot" (AVX512-BF16) or "fp32"
         if missing := sorted(k for k, v in native.items() if v != "ok"):
             body["errors"] = [f"native kernel {k} unavailable: the slow torch fallback runs"
                               for k in missing]
@@ -108,6 +109,14 @@ async def health(request: Request) -> Response:
         body["error"] = gw.error
     ready = gw.status == "ready" and gw.llm is not None and gw.llm.is_running
     return JSONResponse(body, 200 if ready else 503)
+
+
+def attention_lane() -> str:
+    """The CPU attention kernel's lane in this process: ``"dot"`` (bf16 dot products, on
+    CPUs with AVX512-BF16) or ``"fp32"`` (see kernels.cpu_attention)."""
+    from quickdraft.kernels import cpu_attention
+
+    return cpu_attention.lane()
 
 
 def native_kernels(engine: Any) -> dict[str, str]:

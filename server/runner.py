@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from quickdraft.server.app import create_app, native_kernels
+from quickdraft.server.app import attention_lane, create_app, native_kernels
 from quickdraft.server.gateway import EngineFactory, Gateway
 from quickdraft.server.settings import ServerSettings
 
@@ -92,6 +92,8 @@ class GatewayServer(uvicorn.Server):
                              "the slow torch fallback runs" for k, v in sorted(missing.items()))
         elif native:
             lines += f"\n  native kernels   {', '.join(sorted(native))}"
+        if native:
+            lines += f"\n  attention lane   {attention_lane()}"
         return lines
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
