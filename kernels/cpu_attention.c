@@ -47,7 +47,16 @@
 #include <string.h>
 
 #include "cpu_attention_lane.h"
+/* the dot lane needs a compiler that knows AVX512-BF16 (GCC 10+); without one it is left
+ * out and qd_attention_use_dot refuses it */
+#if defined(__clang__) ? (__clang_major__ >= 11) : (defined(__GNUC__) && __GNUC__ >= 10)
+#define QD_HAVE_DOT 1
 #include "cpu_attention_dot.h"
+#else
+#define QD_HAVE_DOT 0
+static int row_chunk_dot(const void* q, ...) { (void)q; return 0; }
+static int pack_chunk_dot(const void* k, ...) { (void)k; return 0; }
+#endif
 #include "cpu_bf16.h"
 
 #define QD_MAX_GD 8192       /* max (query heads per kv head) * head_dim */
@@ -255,9 +264,13 @@ static int qd_dot = 0;
  * lane is refused (0) on a CPU without AVX512-BF16. */
 int qd_attention_use_dot(int on) {
     if (on < 0) return qd_dot;
+#if QD_HAVE_DOT
     __builtin_cpu_init();
     qd_dot = on && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
              && __builtin_cpu_supports("avx512vl");
+#else
+    qd_dot = 0;
+#endif
     return qd_dot;
 }
 
