@@ -119,7 +119,7 @@ def _lib() -> _Lib | None:
 
 def _default_lane() -> str:
     """``QUICKDRAFT_ATTENTION`` (fp32 or dot) if set, else dot where the CPU has AVX512-BF16
-    (measured on the 2-core AVX512-BF16 EPYC: 0.60-0.72x the fp32 lane's time per call,
+    (measured on the 2-core AVX512-BF16 EPYC: 0.67-0.83x the fp32 lane's time per call,
     docs/kernels.md), else fp32."""
     forced = os.environ.get("QUICKDRAFT_ATTENTION", "").strip().lower()
     if forced in LANES:
@@ -133,7 +133,8 @@ def _default_lane() -> str:
 
 
 def dot_supported() -> bool:
-    """Whether this CPU can run the dot lane (AVX512-BF16; whether it is built aside)."""
+    """Whether this CPU has what the dot lane needs (AVX512-BF16 and -BW/-VL); whether the
+    kernel builds and loads is :func:`available`'s question."""
     return cbuild.cpu_has(_DOT_FLAGS)
 
 
