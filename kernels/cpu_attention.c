@@ -54,8 +54,6 @@
 #include "cpu_attention_dot.h"
 #else
 #define QD_HAVE_DOT 0
-static int row_chunk_dot(const void* q, ...) { (void)q; return 0; }
-static int pack_chunk_dot(const void* k, ...) { (void)k; return 0; }
 #endif
 #include "cpu_bf16.h"
 
@@ -100,6 +98,36 @@ typedef struct {
     long long cost; /* rows * heads * visible positions (an estimate, for the task order) */
 } Task;
 
+/* A chunk's n K and V rows made ready for the call's lane: converted to fp32 (kf, vf) or
+ * packed for the dot lane (in the same buffers). */
+static QD_TARGET void ready_chunk(int dot, const uint16_t* const* krow,
+                                  const uint16_t* const* vrow, int n, int D, float* kf,
+                                  float* vf) {
+#if QD_HAVE_DOT
+    if (dot) {
+        pack_chunk_dot(krow, vrow, n, D, (uint32_t*)kf, (uint32_t*)vf);
+        return;
+    }
+#endif
+    load_chunk(krow, vrow, n, D, kf, vf);
+}
+
+/* One lane's step over a ready chunk in the call's lane: q is the lane's slot, holding the
+ * fp32 lane's pre-scaled q or, for the dot lane, its bf16 q (at the slot's start). */
+static QD_TARGET void lane_chunk(int dot, const float* q, float* acc, float* m, float* l,
+                                 float* sc, const float* kf, const float* vf, int n, int G,
+                                 int D, float scale) {
+#if QD_HAVE_DOT
+    if (dot) {
+        row_chunk_dot((const uint16_t*)q, acc, m, l, sc, (const uint32_t*)kf,
+                      (const uint32_t*)vf, n, G, D, scale);
+        return;
+    }
+#endif
+    (void)scale; /* the fp32 lane's q is pre-scaled */
+    row_chunk(q, acc, m, l, sc, kf, vf, n, G, D);
+}
+
 /* A task's rows and heads. Each (row, kv head) lane is computed exactly as it would be alone
  * (same chunks, same arithmetic): lanes only share reading and converting the chunks that all
  * rows see whole at the same positions, so a task streams its sequence's K/V once, all heads'
@@ -123,11 +151,7 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
     float sc[64 * QD_CHUNK] __attribute__((aligned(64)));      /* [G][QD_CHUNK] */
     float kf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(64)));
     float vf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(64)));
-    /* the dot lane's q (bf16, unscaled) and packed chunk live in the fp32 lane's buffers */
-    uint16_t* const qb = (uint16_t*)qs;
-    uint32_t* const kt = (uint32_t*)kf;
-    uint32_t* const vi = (uint32_t*)vf;
-    const int dot = a->dot;
+    const int dot = a->dot; /* its q (bf16, unscaled) and packed chunks use the same buffers */
     const uint16_t* krow[QD_CHUNK];
     const uint16_t* vrow[QD_CHUNK];
     size_t offs[QD_CHUNK]; /* a chunk's positions (their head 0) in the cache */
@@ -147,10 +171,10 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
         for (int h = 0; h < NH; ++h) {
             const uint16_t* qsrc = a->q + (size_t)t * a->ldq + (size_t)(h0 + h) * GD;
             const size_t lane = (size_t)r * NH + h;
+            if (dot) /* the bf16 q at the start of the lane's fp32 slot */
+                memcpy(qs + lane * GD, qsrc, (size_t)GD * sizeof(uint16_t));
             for (int x = 0; x < GD; x += 8) {
-                if (dot)
-                    memcpy(qb + lane * GD + x, qsrc + x, 8 * sizeof(uint16_t));
-                else
+                if (!dot)
                     _mm256_store_ps(qs + lane * GD + x, _mm256_mul_ps(load_bf16(qsrc + x), vscale));
                 _mm256_store_ps(acc + lane * GD + x, _mm256_setzero_ps());
             }
@@ -182,10 +206,7 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                 krow[j] = a->k + ahead[cur][j] + head_off;
                 vrow[j] = a->v + ahead[cur][j] + head_off;
             }
-            if (dot)
-                pack_chunk_dot(krow, vrow, QD_CHUNK, D, kt, vi);
-            else
-                load_chunk(krow, vrow, QD_CHUNK, D, kf, vf);
+            ready_chunk(dot, krow, vrow, QD_CHUNK, D, kf, vf);
             if (next)
                 for (int j = 0; j < QD_CHUNK; ++j)
                     for (int x = 0; x < D; x += 32) { /* 64-byte lines */
@@ -196,12 +217,8 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                     }
             for (int r = 0; r < R; ++r) {
                 const size_t lane = (size_t)r * NH + h;
-                if (dot)
-                    row_chunk_dot(qb + lane * GD, acc + lane * GD, m + lane * G, l + lane * G,
-                                  sc, kt, vi, QD_CHUNK, G, D, a->scale);
-                else
-                    row_chunk(qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc,
-                              kf, vf, QD_CHUNK, G, D);
+                lane_chunk(dot, qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc,
+                           kf, vf, QD_CHUNK, G, D, a->scale);
             }
         }
     }
@@ -227,15 +244,9 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                     krow[j] = a->k + offs[j] + head_off;
                     vrow[j] = a->v + offs[j] + head_off;
                 }
-                if (dot) {
-                    pack_chunk_dot(krow, vrow, n, D, kt, vi);
-                    row_chunk_dot(qb + lane * GD, acc + lane * GD, m + lane * G, l + lane * G,
-                                  sc, kt, vi, n, G, D, a->scale);
-                } else {
-                    load_chunk(krow, vrow, n, D, kf, vf);
-                    row_chunk(qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc,
-                              kf, vf, n, G, D);
-                }
+                ready_chunk(dot, krow, vrow, n, D, kf, vf);
+                lane_chunk(dot, qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc,
+                           kf, vf, n, G, D, a->scale);
             }
         }
     }
