@@ -140,9 +140,18 @@ def dot_supported() -> bool:
 
 def lane() -> str:
     """The lane this process computes attention with: ``"dot"`` or ``"fp32"`` (see the
-    module docstring); ``"fp32"`` when the kernel is not available."""
+    module docstring); ``"fp32"`` when the kernel is not available. Builds and loads the
+    kernel if nothing has yet (see :func:`loaded_lane`)."""
     lib = _lib() if available() else None
     return "dot" if lib is not None and lib.use_dot(-1) else "fp32"
+
+
+def loaded_lane() -> str | None:
+    """:func:`lane` if the kernel is already loaded in this process, else None; never builds
+    (for ``/health``, which must not wait on a compiler)."""
+    if _lib.cache_info().currsize == 0:
+        return None
+    return lane()
 
 
 def set_lane(name: str) -> str:

@@ -92,8 +92,8 @@ class GatewayServer(uvicorn.Server):
                              "the slow torch fallback runs" for k, v in sorted(missing.items()))
         elif native:
             lines += f"\n  native kernels   {', '.join(sorted(native))}"
-        if native:
-            lines += f"\n  attention lane   {attention_lane()}"
+        if native and (lane := attention_lane()):
+            lines += f"\n  attention lane   {lane}"
         return lines
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

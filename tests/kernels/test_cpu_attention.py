@@ -4,6 +4,7 @@ inputs), with the KV written by the torch backend's ``write_kv`` on some cases."
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import shutil
@@ -433,3 +434,12 @@ def test_dot_lane_runs_where_head_dim_allows(dim: int, runs_dot: bool) -> None:
     assert fp32 is not None and dot is not None
     assert torch.equal(fp32, dot) is not runs_dot
     torch.testing.assert_close(dot.float(), fp32.float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_loaded_lane_never_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_attention.available()
+    assert cpu_attention.loaded_lane() == cpu_attention.lane()  # loaded: the lane
+    not_loaded = functools._CacheInfo(hits=0, misses=0, maxsize=1, currsize=0)  # type: ignore[attr-defined]
+    monkeypatch.setattr(cpu_attention._lib, "cache_info", lambda: not_loaded)
+    assert cpu_attention.loaded_lane() is None  # not loaded: None, nothing built

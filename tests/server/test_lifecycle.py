@@ -85,10 +85,10 @@ def test_health_503_while_loading_then_200(tiny_model_dir):
         # head or corpus)
         assert body["speculation"] == {"method": "suffix", "draft_head": False,
                                        "draft_model": False, "suffix_corpus_tokens": None}
-        if "native_kernels" in body:  # the CPU attention kernel's lane in this process
-            from quickdraft.kernels import cpu_attention
-            assert body["attention_lane"] == cpu_attention.lane()
-            assert body["attention_lane"] in cpu_attention.LANES
+        # the CPU attention kernel's lane in this process, once it is loaded (never built
+        # for /health)
+        from quickdraft.kernels import cpu_attention
+        assert body.get("attention_lane") == cpu_attention.loaded_lane()
         weights = body["weights"]  # int4-q8, int4 or dense, and why (here fp32: no 4-bit)
         assert weights["format"] == "dense" and "4-bit weights not possible" in weights["reason"]
         assert httpx.post(f"{s.http}/v1/chat/completions", json=CHAT).status_code == 200
