@@ -93,13 +93,20 @@ def test_lines_wait_while_the_engine_cannot_take_them(llm, tmp_path):
 
 
 class CountingLink(LocalLink):
-    def __init__(self, llm: AsyncLLM) -> None:
+    """Counts the lines it was asked to run. With ``hold_after`` set, every line after that
+    many waits (before reaching the engine) until the worker stops it: the worker cannot
+    finish the batch, however fast the engine answers."""
+
+    def __init__(self, llm: AsyncLLM, hold_after: int | None = None) -> None:
         super().__init__(llm, MODEL)
         self.prompts = 0
+        self.hold_after = hold_after
 
     async def chat_prompt(self, llm: AsyncLLM, messages: list[dict[str, str]],
                           param: str) -> list[int]:
         self.prompts += 1
+        if self.hold_after is not None and self.prompts > self.hold_after:
+            await asyncio.Event().wait()  # until cancelled
         return await super().chat_prompt(llm, messages, param)
 
 
@@ -108,7 +115,10 @@ def test_stopped_worker_leaves_lines_pending_and_another_takes_over(llm, tmp_pat
     baseline = llm.engine.kv.num_free_blocks
 
     async def scenario() -> None:
-        first_link, second_link = CountingLink(llm), CountingLink(llm)
+        # The first worker answers at most 4 lines; the tiny engine answers a line in tens
+        # of milliseconds, so without the hold it could finish all 8 before the test sees
+        # it mid-job (seen once in CI).
+        first_link, second_link = CountingLink(llm, hold_after=4), CountingLink(llm)
         first = BatchWorker(db, first_link, max_in_flight=2, idle_poll=0.05)
         second = BatchWorker(db, second_link, max_in_flight=4, idle_poll=0.05)
         store, batch_id = await create(first, lines(8, 40))
