@@ -48,7 +48,7 @@ RopeFn rope_fn = nullptr;
 SiluFn silu_fn = nullptr;
 AttendFn attend_fn = nullptr;
 Q4Q8Fn q4q8_fn = nullptr;  // null: the q4q8 kernel is not available
-int64_t q4q8_vnni = 0;
+int64_t q4q8_flags = 0;  // its loop and the weights' layout (cpu_q4q8.c's flags)
 int64_t silu_vec_block = 0;
 int64_t par_rows = 1;  // the small ops use threads above this many rows (as cpu_fused.py)
 
@@ -59,9 +59,9 @@ void check(bool ok, const char* what) {
 }
 
 void set_cpu_kernels(int64_t rms, int64_t rope, int64_t silu, int64_t attend,
-                     int64_t vec_block, int64_t parallel_rows, int64_t q4q8, int64_t vnni) {
+                     int64_t vec_block, int64_t parallel_rows, int64_t q4q8, int64_t q4q8_loop) {
     q4q8_fn = reinterpret_cast<Q4Q8Fn>(q4q8);
-    q4q8_vnni = vnni;
+    q4q8_flags = q4q8_loop;
     rms_fn = reinterpret_cast<RmsFn>(rms);
     rope_fn = reinterpret_cast<RopeFn>(rope);
     silu_fn = reinterpret_cast<SiluFn>(silu);
@@ -96,7 +96,7 @@ struct Matrix {
 
 at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
     if (!w.q4q8) return at::cpu::_weight_int4pack_mm_for_cpu(x, *w.parts[0], kGroup, *w.parts[1]);
-    const at::Tensor& codes = *w.parts[0];  // [n/8, k/32, 4, 8, 4] uint8
+    const at::Tensor& codes = *w.parts[0];  // [n/8, k/32, 4, 8, 4] uint8 (cpu_q4q8.c's layout)
     const int64_t rows = x.size(0), n = codes.size(0) * 8, k = codes.size(1) * kGroup;
     check(x.size(1) == k, "q4q8 weight does not fit the activations");
     at::Tensor y = bf16_empty(rows, n);
@@ -105,7 +105,7 @@ at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
     int rc = q4q8_fn(x.data_ptr(), codes.data_ptr(), w.parts[1]->data_ptr(),
                      w.parts[2]->data_ptr(), y.data_ptr(), static_cast<int>(rows),
                      static_cast<int>(n), static_cast<int>(k), threads,
-                     static_cast<int>(q4q8_vnni), scratch.data_ptr());
+                     static_cast<int>(q4q8_flags), scratch.data_ptr());
     check(rc == 0, "q4q8 kernel rejected the shapes");
     return y;
 }
@@ -256,7 +256,7 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
 
 TORCH_LIBRARY(quickdraft_cpu, m) {
     m.def("set_cpu_kernels(int rms, int rope, int silu, int attend, int vec_block, "
-          "int parallel_rows, int q4q8, int vnni) -> ()");
+          "int parallel_rows, int q4q8, int q4q8_flags) -> ()");
     m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor cos, "
           "Tensor sin, Tensor(a!) kv_cache, Tensor[] meta, int heads, int kv_heads, "
           "float eps, float scale) -> (Tensor, Tensor)");

@@ -33,6 +33,7 @@ from quickdraft.kernels import cbuild
 
 GROUP = 32
 COLUMNS = 8  # output columns interleaved per block (one 32-bit lane each)
+LOOP_VNNI, PAIRED = 1, 2  # the kernel's flags (cpu_q4q8.c): its loop, the weights' layout
 
 _SOURCE = Path(__file__).with_name("cpu_q4q8.c")
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC",
@@ -44,23 +45,29 @@ _BF16 = torch.bfloat16
 
 @dataclass(frozen=True)
 class Q4Q8Weight:
-    """A ``[out, in]`` matrix in the kernel's layout."""
+    """A ``[out, in]`` matrix in the kernel's layout: per group of 8 output columns and block
+    of 32 inputs, 4 chunks of [8 columns][4 bytes] codes and 8 scales; ``paired``: groups 2p
+    and 2p + 1 stored side by side chunk by chunk (:func:`_pair_groups`), the tensors'
+    shapes counting groups and blocks while their memory follows the paired order."""
 
-    codes: torch.Tensor  # [out/8, in/32, 4, 8, 4] uint8: block, chunk j, column, byte
+    codes: torch.Tensor  # [out/8, in/32, 4, 8, 4] uint8 (group, block, chunk j, column, byte)
     d: torch.Tensor  # [out/8, in/32, 8] fp16 (column-interleaved block scales)
     m: torch.Tensor  # [out/8, in/32, 8] fp16 (block offsets)
     out_features: int
     in_features: int
+    paired: bool  # column groups stored in pairs (else each alone)
 
 
 @dataclass(frozen=True)
 class Q8Q8Weight:
-    """A ``[out, in]`` Q8_0 matrix (``w = d · q``, ``q`` int8) in the kernel's layout."""
+    """A ``[out, in]`` Q8_0 matrix (``w = d · q``, ``q`` int8) in the kernel's layout (as
+    :class:`Q4Q8Weight`'s, with 8 chunks a block)."""
 
-    codes: torch.Tensor  # [out/8, in/32, 8, 8, 4] int8: block, chunk j, column, byte
+    codes: torch.Tensor  # [out/8, in/32, 8, 8, 4] int8 (group, block, chunk j, column, byte)
     d: torch.Tensor  # [out/8, in/32, 8] fp16 (column-interleaved block scales)
     out_features: int
     in_features: int
+    paired: bool
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,7 @@ def _kernel() -> _Kernels | None:
     lib = cbuild.load("cpu_q4q8", _SOURCE, _CFLAGS, _CPU_FLAGS)
     if lib is None:
         return None
-    # (x, codes, d, [m,] y) pointers, then rows, n, k, threads, vnni, then scratch
+    # (x, codes, d, [m,] y) pointers, then rows, n, k, threads, flags, then scratch
     for fn, pointers in ((lib.qd_q4q8_linear, 5), (lib.qd_q8q8_linear, 4)):
         fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int] * 5 + [ctypes.c_void_p]
         fn.restype = ctypes.c_int
@@ -97,12 +104,40 @@ def uses_vnni() -> bool:
     return bool(kernel and kernel.vnni)
 
 
-def native_entry_point() -> tuple[int, int] | None:
-    """For :mod:`kernels.cpu_layer`: the kernel's address and its VNNI flag."""
+def pairs_columns() -> bool:
+    """Whether :func:`pack` stores column groups in pairs by default here: where the VNNI
+    loops run, whose 16-column loop reads pairs (an AVX2-only CPU's 8-column loop reads
+    unpaired weights 12-30 % faster, so there they stay unpaired)."""
+    return uses_vnni()
+
+
+def _flags(vnni: int, paired: bool) -> int:
+    return vnni * LOOP_VNNI | (PAIRED if paired else 0)
+
+
+def native_entry_point() -> int | None:
+    """For :mod:`kernels.cpu_layer`: the 4-bit kernel's address."""
     kernel = _kernel()
     if kernel is None:
         return None
-    return ctypes.cast(kernel.q4, ctypes.c_void_p).value or 0, kernel.vnni
+    return ctypes.cast(kernel.q4, ctypes.c_void_p).value or 0
+
+
+def native_parts(weight: Q4Q8Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For :mod:`kernels.cpu_layer`: (codes, d, m) of a weight packed the default way (the
+    layout :func:`native_flags` tells the op)."""
+    if weight.paired != pairs_columns():
+        raise ValueError("the native layer takes q4q8 weights packed the default way")
+    return weight.codes, weight.d, weight.m
+
+
+def native_flags(vnni: bool | None = None) -> int:
+    """For :mod:`kernels.cpu_layer`: the kernel's flags for weights packed the default way
+    (:func:`pairs_columns`), on this CPU's loop (None) or the AVX2 one (False)."""
+    kernel = _kernel()
+    if kernel is None:
+        return 0
+    return _flags(kernel.vnni if vnni is None else int(vnni), pairs_columns())
 
 
 def supports(out_features: int, in_features: int) -> bool:
@@ -111,9 +146,11 @@ def supports(out_features: int, in_features: int) -> bool:
         and in_features % GROUP == 0
 
 
-def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Q8Weight:
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, *,
+         paired: bool | None = None) -> Q4Q8Weight:
     """From 4-bit codes ``q[out, in]`` (0..15) and per-32 ``d, m [out, in / 32]`` with
-    ``w = d · q + m``."""
+    ``w = d · q + m``; ``paired`` None: :func:`pairs_columns` (either layout gives the same
+    results on either loop)."""
     out, k = q.shape
     if not supports(out, k) or d.shape != (out, k // GROUP) or m.shape != d.shape:
         raise ValueError(f"q4q8 weights need out % {COLUMNS} == 0, in % {GROUP} == 0 and "
@@ -123,18 +160,37 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Q8Weight:
     # [col group, column, block, half (k 0-15 | 16-31), chunk j, byte b]
     q6 = q.to(torch.uint8).reshape(out // COLUMNS, COLUMNS, groups, 2, 4, 4)
     byte = q6[:, :, :, 0] | (q6[:, :, :, 1] << 4)  # [cg, col, g, j, b]
-    codes = byte.permute(0, 2, 3, 1, 4).contiguous()  # [cg, g, j, col, b]
-
-    def interleave(s: torch.Tensor) -> torch.Tensor:  # [out, g] -> [cg, g, col] fp16
-        return s.to(torch.float16).reshape(out // COLUMNS, COLUMNS, groups) \
-            .permute(0, 2, 1).contiguous()
-
-    return Q4Q8Weight(codes, interleave(d), interleave(m), out, k)
+    codes = byte.permute(0, 2, 3, 1, 4)  # [cg, g, j, col, b]
+    paired = pairs_columns() if paired is None else paired
+    return Q4Q8Weight(_layout(codes, paired), _scales(d, out, groups, paired),
+                      _scales(m, out, groups, paired), out, k, paired)
 
 
-def pack_q8(q: torch.Tensor, d: torch.Tensor) -> Q8Q8Weight:
+def _scales(s: torch.Tensor, out: int, groups: int, paired: bool) -> torch.Tensor:
+    """``[out, in/32]`` -> ``[out/8, in/32, 8]`` fp16, column-interleaved (and paired)."""
+    return _layout(s.to(torch.float16).reshape(out // COLUMNS, COLUMNS, groups)
+                   .permute(0, 2, 1), paired)
+
+
+def _layout(t: torch.Tensor, paired: bool) -> torch.Tensor:
+    return _pair_groups(t) if paired else t.contiguous()
+
+
+def _pair_groups(t: torch.Tensor) -> torch.Tensor:
+    """``t [col groups, blocks, ..., 8 columns, (bytes)]`` (the column axis third from the end
+    for codes, last for scales) in the kernel's memory order: groups 2p and 2p + 1 side by
+    side per block and chunk, i.e. pair p as ``[blocks, ..., 2, 8, (bytes)]``, so that one
+    64-byte load reads a chunk of 16 columns (cpu_q4q8_wide.h); an odd last group stays
+    alone. Same shape as ``t``: group cg's data still starts at ``cg`` groups' worth."""
+    col_axis = t.dim() - 2 if t.dim() > 3 else t.dim() - 1
+    pairs = t.shape[0] // 2
+    paired = t[:2 * pairs].reshape(pairs, 2, *t.shape[1:]).movedim(1, col_axis)
+    return torch.cat([paired.reshape(-1), t[2 * pairs:].reshape(-1)]).view(t.shape)
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor, *, paired: bool | None = None) -> Q8Q8Weight:
     """From Q8_0 codes ``q[out, in]`` (int8) and per-32 scales ``d [out, in / 32]`` with
-    ``w = d · q``."""
+    ``w = d · q``; ``paired`` as :func:`pack`'s."""
     out, k = q.shape
     if not supports(out, k) or d.shape != (out, k // GROUP):
         raise ValueError(f"q8q8 weights need out % {COLUMNS} == 0, in % {GROUP} == 0 and "
@@ -143,9 +199,9 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> Q8Q8Weight:
     groups = k // GROUP
     # [col group, column, block, chunk j, byte b] -> [cg, g, j, col, b]
     q5 = q.to(torch.int8).reshape(out // COLUMNS, COLUMNS, groups, 8, 4)
-    codes = q5.permute(0, 2, 3, 1, 4).contiguous()
-    scales = d.to(torch.float16).reshape(out // COLUMNS, COLUMNS, groups).permute(0, 2, 1)
-    return Q8Q8Weight(codes, scales.contiguous(), out, k)
+    codes = q5.permute(0, 2, 3, 1, 4)
+    paired = pairs_columns() if paired is None else paired
+    return Q8Q8Weight(_layout(codes, paired), _scales(d, out, groups, paired), out, k, paired)
 
 
 def scratch_bytes(rows: int, in_features: int) -> int:
@@ -175,7 +231,8 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight, *,
     if rows == 0:  # (a step that samples no row: the LM head gets none)
         return y.view(*x.shape[:-1], weight.out_features).to(x.dtype)
     scratch = torch.empty(scratch_bytes(rows, weight.in_features), dtype=torch.uint8)
-    shape = (rows, weight.out_features, weight.in_features, torch.get_num_threads(), use_vnni)
+    shape = (rows, weight.out_features, weight.in_features, torch.get_num_threads(),
+             _flags(use_vnni, weight.paired))
     if isinstance(weight, Q8Q8Weight):
         rc = kernel.q8(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
                        y.data_ptr(), *shape, scratch.data_ptr())

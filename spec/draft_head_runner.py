@@ -151,7 +151,7 @@ class DraftHeadRunner:
                 or not all(isinstance(lin, HeadLinear) and isinstance(
                     lin.int4, cpu_q4q8.Q4Q8Weight) for lin in linears):
             return None
-        parts = [(w.codes, w.d, w.m) for w in (lin.int4 for lin in linears)
+        parts = [cpu_q4q8.native_parts(w) for w in (lin.int4 for lin in linears)
                  if isinstance(w, cpu_q4q8.Q4Q8Weight)]
         return cpu_layer.head_layer_weights(head.input_norm.detach(), head.hidden_norm.detach(),
                                             parts[0], parts[1], head.post_norm.detach(),

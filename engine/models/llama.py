@@ -46,7 +46,7 @@ def _native_parts(weight: FourBitWeight) -> tuple[torch.Tensor, ...]:
     """The tensors :func:`kernels.cpu_layer.layer_weights` takes for one matrix."""
     assert not isinstance(weight, Q8Q8Weight), "the layers' matrices are 4-bit"
     if isinstance(weight, Q4Q8Weight):
-        return weight.codes, weight.d, weight.m
+        return cpu_q4q8.native_parts(weight)
     return weight.packed, weight.scales_and_zeros
 
 

@@ -17,7 +17,7 @@ def _dense(q, d, m) -> torch.Tensor:  # fp64 [out, k]
     return dense(q, d, m, torch.float64)
 
 
-@pytest.mark.parametrize(("out", "k"), [(960, 576), (64, 1536), (48, 64), (8, 32)])
+@pytest.mark.parametrize(("out", "k"), [(960, 576), (64, 1536), (48, 64), (40, 64), (8, 32)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_linear_matches_the_q8_reference(out, k, rows):
     """Against x rounded to 8 bits as the kernel does and the exact 4-bit weights in fp64,
@@ -39,13 +39,19 @@ def test_linear_matches_the_q8_reference(out, k, rows):
     torch.testing.assert_close(y.double(), exact, rtol=0.02, atol=0.02 * scale)
 
 
-def test_rows_threads_and_instruction_sets_give_the_same_bits():
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("out", [576, 40])  # pairs of 8-column groups; and an odd last group
+def test_rows_threads_instruction_sets_and_layouts_give_the_same_bits(out, paired):
     """Each row is computed alone: a row's bits do not depend on the other rows (1..17 of
-    them, crossing the 8-row passes), the thread count or VNNI against AVX2."""
-    q, d, m = _weights(576, 1536, seed=5)
+    them, crossing the 16-row passes), the thread count, VNNI against AVX2 (whose loops
+    take 16 and 8 columns at a time) or the weights' layout (column groups paired or not)."""
+    q, d, m = _weights(out, 1536, seed=5)
     x = torch.randn(17, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
-    assert_rows_threads_and_isa_agree(cpu_q4q8.linear, cpu_q4q8.pack(q, d, m), x,
-                                      cpu_q4q8.uses_vnni())
+    w = cpu_q4q8.pack(q, d, m, paired=paired)
+    assert w.paired == paired and cpu_q4q8.pack(q, d, m).paired == cpu_q4q8.pairs_columns()
+    assert_rows_threads_and_isa_agree(cpu_q4q8.linear, w, x, cpu_q4q8.uses_vnni())
+    assert torch.equal(cpu_q4q8.linear(x, w),
+                       cpu_q4q8.linear(x, cpu_q4q8.pack(q, d, m, paired=not paired)))
 
 
 def test_zero_and_extreme_activations():
