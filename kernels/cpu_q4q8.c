@@ -20,12 +20,13 @@
  *
  * Layout (kernels/cpu_q4q8.py packs it; see QD_TILE): output columns in groups of 8, each
  * group's blocks interleaved column by column (per block: 4 chunks of [8 columns][4 bytes]
- * uint8 codes, [8] fp16 scales d and offsets mn). Groups 2p and 2p + 1 are stored as a pair,
- * block by block: chunk j of block g holds group 2p's 32 bytes then group 2p + 1's, and the
- * block's d (and mn) group 2p's 8 then group 2p + 1's; so on AVX512 one 64-byte load holds
- * the chunk of 16 columns (QD_WIDE), while the 8-column loops read their half. A last, odd
- * group is stored alone. Either way group cg's data starts at cg * (k/32) * 128 bytes of
- * codes and cg * (k/32) * 8 scales (see group_at).
+ * uint8 codes, [8] fp16 scales d and offsets mn). Where the VNNI loops run, groups 2p and
+ * 2p + 1 are stored as a pair (flag QD_PAIRED), block by block: chunk j of block g holds
+ * group 2p's 32 bytes then group 2p + 1's, and the block's d (and mn) group 2p's 8 then
+ * group 2p + 1's; so one 64-byte load holds the chunk of 16 columns (cpu_q4q8_wide.h), while
+ * the 8-column loops read their half. A last, odd group is stored alone. Either way group
+ * cg's data starts at cg * (k/32) * 128 bytes of codes and cg * (k/32) * 8 scales
+ * (group_at).
  *
  * qd_q8q8_linear does the same for Q8_0 weights (w = d * q, q int8: a GGUF's 8-bit LM head /
  * tied embedding), with its own layout (see QD_TILE8).
@@ -121,17 +122,16 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void* blo
         _mm_prefetch((const char*)block + ahead + i, _MM_HINT_T0);
 }
 
-/* Where column group cg's blocks are (the layout in the header): its first chunk and
- * scales, and the strides between blocks and between chunks. ``block_bytes``: one group's
- * bytes of codes per block (128 for 4-bit, 256 for 8-bit). */
+/* Where 4-bit column group cg's blocks are (the layout in the header): its first chunk and
+ * scales, and the strides between blocks and between chunks. */
 typedef struct {
     size_t code0, scale0;  /* offsets of block 0's first chunk (bytes) and scales (fp16s) */
     int block, chunk, scales;  /* strides: bytes per block and per chunk, fp16s per block */
 } GroupAt;
 
 static inline __attribute__((always_inline)) GroupAt group_at(int cg, int col_groups,
-                                                              int groups, int block_bytes,
-                                                              int paired) {
+                                                              int groups, int paired) {
+    const int block_bytes = 128;  /* one group's codes a block */
     /* unpaired weights, or the odd last group of paired ones */
     const int alone = !paired || (cg == col_groups - 1 && col_groups % 2);
     const size_t first = (size_t)(alone ? cg : cg & ~1) * groups;  /* blocks before it */
@@ -173,7 +173,7 @@ static inline __attribute__((always_inline)) QD_AVX2 void store_rows(const __m25
         const __m256i low = _mm256_set1_epi8(0x0f);                                       \
         __m256 acc[QD_MAX_ROWS];                                                           \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                          \
-        const GroupAt at = group_at(cg, n / 8, groups, 128, paired);                       \
+        const GroupAt at = group_at(cg, n / 8, groups, paired);                            \
         const uint8_t* cb = codes + at.code0;                                              \
         const uint16_t* db = d + at.scale0;                                                \
         const uint16_t* mb = mn + at.scale0;                                               \
@@ -266,14 +266,15 @@ QD_COLUMNS(columns_vnni, QD_VNNI, tile_vnni)
 
 /* ---- Q8_0 weights (w = d * q, q int8, blocks of 32): a model's 8-bit LM head --------------
  * Layout: codes [n/8][k/32][8][8][4] int8 (block g of a column group: 8 chunks of 32 bytes,
- * chunk j holding for each column the 4 codes of k = 32g + 4j .. +3), d [n/8][k/32][8] fp16.
+ * chunk j holding for each column the 4 codes of k = 32g + 4j .. +3), d [n/8][k/32][8] fp16;
+ * column groups unpaired (16 columns a vector gained nothing here: cpu_q4q8_wide.h).
  * The products are signed x signed, the instructions unsigned x signed; both loops give the
  * exact integer sum(w * xq), so the same bits on VNNI and AVX2:
  *   - AVX2 feeds |w| and x with w's sign (vpsignb) to vpmaddubsw (|pair| <= 2 * 128 * 127 <
  *     2^15, no saturation);
  *   - VNNI feeds w + 128 (w xor 0x80, once per block for every row) to vpdpbusd, starting
  *     the sum at -128 * sum(xq) (quantize_rows stores it in sumx's place, which Q8_0 weights
- *     have no use for): no vpsignb per row and chunk, the LM head 10-20 % faster.
+ *     have no use for): no vpsignb per row and chunk, the LM head 10-20 % faster a call.
  * Per row and block:  acc = fma(float(isum), d * sx, acc). */
 static inline __attribute__((always_inline)) QD_VNNI __m256i dot8s_vnni(const __m256i* uw,
                                                                         const __m256i* w,
@@ -305,24 +306,20 @@ static inline __attribute__((always_inline)) QD_AVX2 __m256i dot8s_avx2(const __
 #define QD_TILE8(NAME, TARGET, PREP, DOT8)                                                       \
     static inline __attribute__((always_inline)) TARGET void NAME(                         \
             const int R, const int8_t* codes, const uint16_t* d, const int8_t* xq,         \
-            const float* sx, const float* sumx, uint16_t* y, int cg, int n, int k,         \
-            int paired) {                                                                  \
+            const float* sx, const float* sumx, uint16_t* y, int cg, int n, int k) {       \
         const int groups = k / 32;                                                         \
         __m256 acc[QD_MAX_ROWS];                                                           \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                          \
-        const GroupAt at = group_at(cg, n / 8, groups, 256, paired);                       \
-        const int8_t* cb = codes + at.code0;                                               \
-        const uint16_t* db = d + at.scale0;                                                \
+        const int8_t* cb = codes + (size_t)cg * groups * 256;                              \
+        const uint16_t* db = d + (size_t)cg * groups * 8;                                  \
         for (int g = 0; g < groups; g++) {                                                 \
             __m256i w[8], aw[8];                                                           \
-            prefetch_ahead(cb + (size_t)g * at.block, at.block, QD_AHEAD_8BIT);            \
+            prefetch_ahead(cb + g * 256, 256, QD_AHEAD_8BIT);                              \
             for (int j = 0; j < 8; j++) {                                                  \
-                w[j] = _mm256_loadu_si256(                                                 \
-                    (const __m256i*)(cb + (size_t)g * at.block + at.chunk * j));           \
+                w[j] = _mm256_loadu_si256((const __m256i*)(cb + g * 256 + 32 * j));        \
                 aw[j] = PREP(w[j]);                                                        \
             }                                                                              \
-            const __m256 dv = _mm256_cvtph_ps(                                             \
-                _mm_loadu_si128((const __m128i*)(db + (size_t)g * at.scales)));            \
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(db + g * 8))); \
             for (int r = 0; r < R; r++) {                                                  \
                 const __m256i isum = DOT8(aw, w, xq + (size_t)r * k + (size_t)g * 32,      \
                                           ((const int32_t*)sumx)[(size_t)r * groups + g]); \
@@ -342,9 +339,9 @@ QD_TILE8(tile8_vnni, QD_VNNI, QD_UNSIGNED8, dot8s_vnni)
 #define QD_COLUMNS8(NAME, TARGET, TILE)                                                    \
     static TARGET void NAME(int R, const int8_t* codes, const uint16_t* d, const int8_t* xq, \
                             const float* sx, const float* sumx, uint16_t* y, int lo, int hi, \
-                            int n, int k, int paired) {                                    \
+                            int n, int k) {                                                \
         for (int cg = lo; cg < hi; cg++) {                                                 \
-            QD_BY_ROWS(R, TILE, codes, d, xq, sx, sumx, y, cg, n, k, paired)               \
+            QD_BY_ROWS(R, TILE, codes, d, xq, sx, sumx, y, cg, n, k)                       \
         }                                                                                  \
     }
 QD_COLUMNS8(columns8_avx2, QD_AVX2, tile8_avx2)
@@ -354,18 +351,19 @@ QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
 
 /* ``flags`` of the entry points: which loops run and how the weights are laid out. */
 #define QD_LOOP_VNNI 1  /* the AVX512-VNNI loops (else AVX2; the same bits) */
-#define QD_PAIRED 2     /* weights with column groups stored in pairs (the header's layout) */
+#define QD_PAIRED 2     /* 4-bit weights with column groups in pairs (the header's layout) */
 
 /* y [rows, n] bf16 = x [rows, k] bf16 @ W^T. ``scratch`` holds rows * (k + 8 * k / 32) bytes
  * (the int8 rows and their block scales and sums). Returns 0, or -1 for shapes it does not
- * take (k % 32 != 0, n < 1, rows < 1). VNNI on paired weights runs 16 columns a vector
- * (cpu_q4q8_wide.h); every other combination the 8-column loops, which read either layout. */
+ * take (k % 32 != 0, n < 1, rows < 1; Q8_0 weights are never paired). VNNI on paired 4-bit
+ * weights runs 16 columns a vector (cpu_q4q8_wide.h); everything else the 8-column loops,
+ * which read either 4-bit layout. */
 static int linear_any(const uint16_t* x, const void* codes, const uint16_t* d,
                       const uint16_t* mn, int eight_bit, uint16_t* y, int rows, int n, int k,
                       int threads, int flags, void* scratch) {
-    if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32) return -1;
-    const int groups = k / 32;
     const int vnni = flags & QD_LOOP_VNNI, paired = (flags & QD_PAIRED) != 0;
+    if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32 || (eight_bit && paired)) return -1;
+    const int groups = k / 32;
     int8_t* xq = (int8_t*)scratch;
     float* sx = (float*)(xq + (size_t)rows * k);
     float* sumx = sx + (size_t)rows * groups;
@@ -386,12 +384,10 @@ static int linear_any(const uint16_t* x, const void* codes, const uint16_t* d,
             uint16_t* yr = y + (size_t)r0 * n;
             if (eight_bit) {
                 const int8_t* c8 = (const int8_t*)codes;
-                if (vnni && paired)
-                    wide8_vnni(R, c8, d, xr, sr, ur, yr, lo, hi, n, k);
-                else if (vnni)
-                    columns8_vnni(R, c8, d, xr, sr, ur, yr, lo, hi, n, k, 0);
+                if (vnni)
+                    columns8_vnni(R, c8, d, xr, sr, ur, yr, lo, hi, n, k);
                 else
-                    columns8_avx2(R, c8, d, xr, sr, ur, yr, lo, hi, n, k, paired);
+                    columns8_avx2(R, c8, d, xr, sr, ur, yr, lo, hi, n, k);
             } else {
                 const uint8_t* c4 = (const uint8_t*)codes;
                 if (vnni && paired)

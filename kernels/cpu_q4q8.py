@@ -60,14 +60,13 @@ class Q4Q8Weight:
 
 @dataclass(frozen=True)
 class Q8Q8Weight:
-    """A ``[out, in]`` Q8_0 matrix (``w = d · q``, ``q`` int8) in the kernel's layout (as
-    :class:`Q4Q8Weight`'s, with 8 chunks a block)."""
+    """A ``[out, in]`` Q8_0 matrix (``w = d · q``, ``q`` int8) in the kernel's layout
+    (:class:`Q4Q8Weight`'s with 8 chunks a block, groups never paired)."""
 
     codes: torch.Tensor  # [out/8, in/32, 8, 8, 4] int8 (group, block, chunk j, column, byte)
     d: torch.Tensor  # [out/8, in/32, 8] fp16 (column-interleaved block scales)
     out_features: int
     in_features: int
-    paired: bool
 
 
 @dataclass(frozen=True)
@@ -105,8 +104,8 @@ def uses_vnni() -> bool:
 
 
 def pairs_columns() -> bool:
-    """Whether :func:`pack` stores column groups in pairs by default here: where the VNNI
-    loops run, whose 16-column loop reads pairs (an AVX2-only CPU's 8-column loop reads
+    """Whether :func:`pack` stores 4-bit column groups in pairs by default here: where the
+    VNNI loops run, whose 16-column loop reads pairs (an AVX2-only CPU's 8-column loop reads
     unpaired weights 12-30 % faster, so there they stay unpaired)."""
     return uses_vnni()
 
@@ -177,20 +176,20 @@ def _layout(t: torch.Tensor, paired: bool) -> torch.Tensor:
 
 
 def _pair_groups(t: torch.Tensor) -> torch.Tensor:
-    """``t [col groups, blocks, ..., 8 columns, (bytes)]`` (the column axis third from the end
-    for codes, last for scales) in the kernel's memory order: groups 2p and 2p + 1 side by
-    side per block and chunk, i.e. pair p as ``[blocks, ..., 2, 8, (bytes)]``, so that one
-    64-byte load reads a chunk of 16 columns (cpu_q4q8_wide.h); an odd last group stays
-    alone. Same shape as ``t``: group cg's data still starts at ``cg`` groups' worth."""
+    """``t [col groups, blocks, (chunks,) 8 columns, (bytes)]`` (codes or scales) in the
+    kernel's memory order: groups 2p and 2p + 1 side by side per block and chunk, i.e. pair
+    p as ``[blocks, (chunks,) 2, 8, (bytes)]``, so that one 64-byte load reads a chunk of 16
+    columns (cpu_q4q8_wide.h); an odd last group stays alone. Same shape as ``t``: group
+    cg's data still starts at ``cg`` groups' worth."""
     col_axis = t.dim() - 2 if t.dim() > 3 else t.dim() - 1
     pairs = t.shape[0] // 2
     paired = t[:2 * pairs].reshape(pairs, 2, *t.shape[1:]).movedim(1, col_axis)
     return torch.cat([paired.reshape(-1), t[2 * pairs:].reshape(-1)]).view(t.shape)
 
 
-def pack_q8(q: torch.Tensor, d: torch.Tensor, *, paired: bool | None = None) -> Q8Q8Weight:
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> Q8Q8Weight:
     """From Q8_0 codes ``q[out, in]`` (int8) and per-32 scales ``d [out, in / 32]`` with
-    ``w = d · q``; ``paired`` as :func:`pack`'s."""
+    ``w = d · q``."""
     out, k = q.shape
     if not supports(out, k) or d.shape != (out, k // GROUP):
         raise ValueError(f"q8q8 weights need out % {COLUMNS} == 0, in % {GROUP} == 0 and "
@@ -199,9 +198,8 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor, *, paired: bool | None = None) -> 
     groups = k // GROUP
     # [col group, column, block, chunk j, byte b] -> [cg, g, j, col, b]
     q5 = q.to(torch.int8).reshape(out // COLUMNS, COLUMNS, groups, 8, 4)
-    codes = q5.permute(0, 2, 3, 1, 4)
-    paired = pairs_columns() if paired is None else paired
-    return Q8Q8Weight(_layout(codes, paired), _scales(d, out, groups, paired), out, k, paired)
+    codes = q5.permute(0, 2, 3, 1, 4).contiguous()
+    return Q8Q8Weight(codes, _scales(d, out, groups, paired=False), out, k)
 
 
 def scratch_bytes(rows: int, in_features: int) -> int:
@@ -231,8 +229,9 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight, *,
     if rows == 0:  # (a step that samples no row: the LM head gets none)
         return y.view(*x.shape[:-1], weight.out_features).to(x.dtype)
     scratch = torch.empty(scratch_bytes(rows, weight.in_features), dtype=torch.uint8)
+    paired = isinstance(weight, Q4Q8Weight) and weight.paired
     shape = (rows, weight.out_features, weight.in_features, torch.get_num_threads(),
-             _flags(use_vnni, weight.paired))
+             _flags(use_vnni, paired))
     if isinstance(weight, Q8Q8Weight):
         rc = kernel.q8(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
                        y.data_ptr(), *shape, scratch.data_ptr())

@@ -1,9 +1,9 @@
-/* The AVX512-VNNI loops of cpu_q4q8.c, 16 output columns a vector: a pair of column groups
- * (2p, 2p + 1), stored chunk by chunk side by side (the layout in cpu_q4q8.c's header), is
- * one 64-byte load per chunk, and each row's 4 broadcast bytes of x feed 16 columns'
- * vpdpbusd instead of 8. Per column the integers and the fp32 operations are those of the
- * 8-column tiles (tile_vnni, tile8_vnni) in the same order, so the bits are the same as
- * theirs and as the AVX2 loops'; a last, odd group runs on the 8-column tile.
+/* The 4-bit AVX512-VNNI loop of cpu_q4q8.c, 16 output columns a vector: a pair of column
+ * groups (2p, 2p + 1), stored chunk by chunk side by side (the layout in cpu_q4q8.c's
+ * header), is one 64-byte load per chunk, and each row's 4 broadcast bytes of x feed 16
+ * columns' vpdpbusd instead of 8. Per column the integers and the fp32 operations are those
+ * of the 8-column tile (tile_vnni) in the same order, so the bits are the same as its and as
+ * the AVX2 loop's; a last, odd group runs on the 8-column tile.
  *
  * Weights packed unpaired (kernels/cpu_q4q8.py does so where these loops do not run, i.e.
  * on AVX2-only CPUs, whose 8-column loop reads the paired layout 12-30 % slower) go
@@ -11,11 +11,15 @@
  *
  * Why: with 8 columns a vector the loop is bound by issuing instructions, not by the VNNI
  * units: one broadcast load, and per block one cvt, mul and two FMAs, for every 8 columns.
- * 16 columns halve those per column: 14-30 % faster a call at 2-16 rows on the AVX512-BF16
- * EPYC (Zen 4, which runs a 512-bit operation as two 256-bit halves). Reading the two groups
- * as two streams 4.6 KB apart instead was 1.3x slower from DRAM, hence the paired layout.
+ * 16 columns halve those per column: 14-30 % faster a call at 2-16 rows with the weights in
+ * cache on the AVX512-BF16 EPYC (Zen 4, which runs a 512-bit operation as two 256-bit
+ * halves); SmolLM2's 120 layer matrices streamed from DRAM 3-17 % faster
+ * (benchmarks/q4q8_loops.py). Reading the two groups as two streams 4.6 KB apart instead
+ * was 1.3x slower from DRAM, hence the paired layout. The Q8_0 LM head gained nothing from
+ * the same (1.07-1.21x the 8-column loop's time at 1-5 rows, 0.96x at 8-16): it stays on
+ * 8 columns, unpaired.
  *
- * Included by cpu_q4q8.c only (it uses its helpers: load4, group_at, store_rows). */
+ * Included by cpu_q4q8.c only (it uses its helpers: load4, prefetch_ahead, store_rows). */
 
 /* acc (16 columns: groups cg, cg + 1) of R rows, rounded to bf16, into y. */
 static inline __attribute__((always_inline)) QD_VNNI void store_rows16(const __m512* acc,
@@ -75,41 +79,8 @@ static inline __attribute__((always_inline)) QD_VNNI void tile16_vnni(
     store_rows16(acc, R, y, cg, n);
 }
 
-/* Q8_0 weights: groups cg (even) and cg + 1, R rows (tile8_vnni's arithmetic: w + 128
- * against x, the sum started at -128 * sum(xq), which quantize_rows left in sumx). */
-static inline __attribute__((always_inline)) QD_VNNI void tile16q8_vnni(
-        const int R, const int8_t* codes, const uint16_t* d, const int8_t* xq,
-        const float* sx, const float* sumx, uint16_t* y, int cg, int n, int k) {
-    const int groups = k / 32;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[QD_MAX_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int8_t* cb = codes + (size_t)cg * groups * 256;  /* [k/32][8][16][4] */
-    const uint16_t* db = d + (size_t)cg * groups * 8;      /* [k/32][16] */
-    for (int g = 0; g < groups; g++) {
-        __m512i uw[8];
-        prefetch_ahead(cb + (size_t)g * 512, 512, QD_AHEAD_8BIT);
-        for (int j = 0; j < 8; j++)
-            uw[j] = _mm512_xor_si512(
-                _mm512_loadu_si512((const void*)(cb + (size_t)g * 512 + 64 * j)), flip);
-        const __m512 dv = scales16(db, g);
-        for (int r = 0; r < R; r++) {
-            const int8_t* xb = xq + (size_t)r * k + (size_t)g * 32;
-            __m512i a = _mm512_set1_epi32(((const int32_t*)sumx)[(size_t)r * groups + g]);
-            __m512i b = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                a = _mm512_dpbusd_epi32(a, uw[j], _mm512_set1_epi32(load4(xb + 4 * j)));
-                b = _mm512_dpbusd_epi32(b, uw[j + 1], _mm512_set1_epi32(load4(xb + 4 * j + 4)));
-            }
-            const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[(size_t)r * groups + g]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), scale, acc[r]);
-        }
-    }
-    store_rows16(acc, R, y, cg, n);
-}
-
-/* Column groups [lo, hi) (lo even): pairs on the 16-column tiles, an odd last group on
- * the 8-column one. */
+/* Column groups [lo, hi) (lo even): pairs on the 16-column tile, an odd last group on the
+ * 8-column one. */
 static QD_VNNI void wide_vnni(int R, const uint8_t* codes, const uint16_t* d,
                               const uint16_t* mn, const int8_t* xq, const float* sx,
                               const float* sumx, uint16_t* y, int lo, int hi, int n, int k) {
@@ -118,14 +89,4 @@ static QD_VNNI void wide_vnni(int R, const uint8_t* codes, const uint16_t* d,
         QD_BY_ROWS(R, tile16_vnni, codes, d, mn, xq, sx, sumx, y, cg, n, k)
     }
     if (cg < hi) columns_vnni(R, codes, d, mn, xq, sx, sumx, y, cg, hi, n, k, 1);
-}
-
-static QD_VNNI void wide8_vnni(int R, const int8_t* codes, const uint16_t* d,
-                               const int8_t* xq, const float* sx, const float* sumx,
-                               uint16_t* y, int lo, int hi, int n, int k) {
-    int cg = lo;
-    for (; cg + 1 < hi; cg += 2) {
-        QD_BY_ROWS(R, tile16q8_vnni, codes, d, xq, sx, sumx, y, cg, n, k)
-    }
-    if (cg < hi) columns8_vnni(R, codes, d, xq, sx, sumx, y, cg, hi, n, k, 1);
 }
