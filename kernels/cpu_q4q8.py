@@ -3,7 +3,7 @@
 ``cpu_q4q8.c`` computes ``x @ w.T`` for ``w[n, k] = d[n, g] · q[n, k] + m[n, g]`` (``g = k //
 32``, a GGUF Q4_0/Q4_1/Q4_K block) after rounding each row of ``x`` to int8 in blocks of 32
 (``x ≈ sx · xq``, ``sx = max|x| / 127``): every block's dot product is exact integer arithmetic
-and each 4-bit block is unpacked once for all the rows of ``x`` in a pass (up to 8). So an
+and each 4-bit block is unpacked once for all the rows of ``x`` in a pass (up to 16). So an
 extra row costs a few integer instructions per block instead of another pass through
 torch's int4 kernel: verifying drafts gets cheap. Rounding the activations costs about as
 much accuracy as rounding the scales to bf16 does on the torch path (``tests/kernels/
@@ -17,6 +17,11 @@ count, thread count and instruction set (AVX512-VNNI ``vpdpbusd`` or plain AVX2:
 integers), so a request's result does not depend on its batch, on speculation or on the CPU
 kind. Built with gcc on first use like the other C kernels (:mod:`kernels.cbuild`); without
 gcc or AVX2/FMA/F16C :func:`available` is False.
+
+Where the CPU has AVX512-VNNI, :func:`pack` stores the 4-bit matrices' groups of 8 output
+columns in pairs, so that its loop takes 16 columns a 512-bit vector (``cpu_q4q8_wide.h``);
+elsewhere unpaired, which the AVX2 loop reads faster. Either layout gives the same bits on
+either loop (``Q4Q8Weight.paired`` tells the kernel which it reads).
 """
 
 from __future__ import annotations
