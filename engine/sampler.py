@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.engine.sampling_params import SamplingParams
+from quickdraft.kernels.cpu_fused import argmax_rows
 
 _NEG_INF = float("-inf")
 
@@ -281,7 +282,7 @@ def sample_from_probs(
         raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
     q = torch.empty_like(probs, dtype=torch.float32)  # [B, V]
     draw_exponential_noise_(q, generators, default_generator)
-    return (probs / q).argmax(dim=-1)  # [B]
+    return argmax_rows(probs / q)  # [B]
 
 
 def _sample_rows(logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
@@ -307,12 +308,12 @@ def _pick_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Greedy rows take the argmax, the others are sampled; ``logits`` ``[B, V]`` penalised."""
     greedy = [i for i, p in enumerate(batch.params) if p.greedy]
     if len(greedy) == logits.shape[0]:
-        return logits.argmax(dim=-1)  # [B]
+        return argmax_rows(logits)  # [B]
     sampled = [i for i, p in enumerate(batch.params) if not p.greedy]
     if not greedy:
         return _sample_rows(logits, batch, sampled)
     token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # [B]
-    token_ids[greedy] = logits[greedy].argmax(dim=-1)
+    token_ids[greedy] = argmax_rows(logits[greedy])
     token_ids[sampled] = _sample_rows(logits[sampled], batch, sampled)
     return token_ids
 
@@ -333,7 +334,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raise ValueError(f"{len(batch.params)} requests for {logits.shape[0]} logit rows")
     raw = logits.float()  # [B, V]; no copy when already float32, never modified
     if all(p.greedy and not p.uses_penalties for p in batch.params):
-        token_ids = raw.argmax(dim=-1)  # [B]
+        token_ids = argmax_rows(raw)  # [B]
     else:
         token_ids = _pick_tokens(apply_penalties(raw, batch), batch)  # [B]
     logprobs = _chosen_logprobs(raw, token_ids) if any(p.logprobs for p in batch.params) else None

@@ -56,6 +56,7 @@ class _Lib(NamedTuple):
     rms_norm: Callable[..., int]
     rope: Callable[..., int]
     silu_mul: Callable[..., int]
+    argmax: Callable[..., int]
     vec_block: int  # elements per iteration of torch's vectorised unary loop (0: none)
     dll: ctypes.CDLL  # the library (the tests call its checking helpers)
 
@@ -95,7 +96,10 @@ def _lib() -> _Lib | None:
     silu = lib.qd_silu_mul_bf16
     silu.argtypes = [_vp, _vp, _int, _int, _int, _int]
     silu.restype = _int
-    return _Lib(rms, rope, silu, _torch_vec_block(), lib)
+    argmax = lib.qd_argmax_f32
+    argmax.argtypes = [_vp, _vp, _int, ctypes.c_longlong, _int]
+    argmax.restype = _int
+    return _Lib(rms, rope, silu, argmax, _torch_vec_block(), lib)
 
 
 def available() -> bool:
@@ -208,3 +212,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rc != 0:
         return torch_ops.silu_mul(gate_up)
     return y if len(shape) == 2 else y.view(*shape[:-1], inter)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for ``x [rows, n]`` (ties to the first index, NaN the largest, as
+    torch), in one call: CPU fp32 contiguous rows; anything else runs torch's argmax.
+    Several rows use the threads."""
+    lib = _lib()
+    if (lib is None or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu
+            or not x.is_contiguous() or x.shape[1] == 0):
+        return x.argmax(dim=-1)
+    rows = x.shape[0]
+    out = torch.empty(rows, dtype=torch.int64)
+    rc = lib.argmax(x.data_ptr(), out.data_ptr(), rows, x.shape[1],
+                    torch.get_num_threads() if rows > 1 else 1)
+    if rc != 0:
+        return x.argmax(dim=-1)
+    return out

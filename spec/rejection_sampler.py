@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from quickdraft.engine.sampler import SamplingBatch, sample_from_probs
+from quickdraft.engine.sampler import SamplingBatch, argmax_rows, sample_from_probs
 from quickdraft.spec.verification import (
     VerifyLayout,
     VerifyOutput,
@@ -76,7 +76,7 @@ def _accept_drafts(
     greedy_draft = greedy[layout.draft_req]  # [D]
     accept = torch.zeros_like(greedy_draft)  # [D]
     if bool(greedy_draft.any()):
-        accept = greedy_draft & (rows.argmax(dim=-1) == ids)
+        accept = greedy_draft & (argmax_rows(rows) == ids)
     if not bool(greedy_draft.all()):
         index = torch.arange(ids.shape[0], device=ids.device)  # [D]
         p = torch.exp(rows[index, ids] - torch.logsumexp(rows, dim=-1))  # [D] p_j(x_j)
@@ -102,7 +102,7 @@ def _final_tokens(
 ) -> torch.Tensor:
     """The recovered-or-bonus token of every request ``[B]``, drawn at row start + accepted."""
     final = logits[layout.starts + num_accepted]  # [B, V]
-    tokens = final.argmax(dim=-1)  # [B], kept for greedy requests
+    tokens = argmax_rows(final)  # [B], kept for greedy requests
     sampled = (~greedy).nonzero().squeeze(1)  # [S]
     if sampled.numel() == 0:
         return tokens
@@ -129,7 +129,7 @@ def _greedy(target_logits: torch.Tensor, draft_token_ids: list[list[int]]) -> Ve
     it. The same tokens as the general path (whose processed logits are the raw ones here;
     argmax breaks ties at the lowest id either way) at a fraction of its ~30 small torch ops,
     which cost more than the argmax on a CPU."""
-    argmax = target_logits.argmax(dim=-1).tolist()  # [R]
+    argmax = argmax_rows(target_logits).tolist()  # [R]
     token_ids: list[list[int]] = []
     counts: list[int] = []
     row = 0

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.engine.sampler import SamplingBatch, sample_from_probs
+from quickdraft.engine.sampler import SamplingBatch, argmax_rows, sample_from_probs
 from quickdraft.spec.token_tree import TokenTree
 from quickdraft.spec.verification import draft_uniforms, prepare_verification
 
@@ -94,13 +94,13 @@ def _greedy_argmax(logits: torch.Tensor, trees: Sequence[TokenTree], starts: lis
                    greedy: list[bool]) -> list[int]:
     """``[R]`` argmax of every greedy request's rows (-1 on sampled requests' rows)."""
     if all(greedy):  # no gather
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits).tolist()
     argmax = [-1] * logits.shape[0]
     rows = [r for b, tree in enumerate(trees) if greedy[b]
             for r in range(starts[b], starts[b] + tree.num_rows)]
     if rows:
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)  # [G]
-        for r, t in zip(rows, logits[index].argmax(dim=-1).tolist(), strict=True):
+        for r, t in zip(rows, argmax_rows(logits[index]).tolist(), strict=True):
             argmax[r] = t
     return argmax
 
