@@ -110,9 +110,9 @@ static QD_AVX2 void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq
 
 /* The weights stream from DRAM once a step (96 MB for SmolLM2), and the hardware prefetcher
  * alone leaves the loops waiting: each tile also asks for the block ``ahead`` bytes past
- * the one it reads (past a tile's end: the next tile's, which follows in memory). Measured
- * on the AVX512-BF16 EPYC with the 16-column loops (docs/kernels.md): the 30 layers'
- * matrices 1-5 % faster at 1-5 rows and 17-19 % at 8-16, the LM head 0-19 % and 32 %. */
+ * the one it reads (past a tile's end: the next tile's, which follows in memory). On the
+ * AVX512-BF16 EPYC the 16-column loop was 5-9 % slower than the 8-column one at 1-5 rows
+ * from DRAM without it, and 1-6 % faster with it (docs/kernels.md). */
 #define QD_AHEAD_4BIT 1024
 #define QD_AHEAD_8BIT 2048
 
@@ -303,7 +303,7 @@ static inline __attribute__((always_inline)) QD_AVX2 __m256i dot8s_avx2(const __
     return s;
 }
 
-#define QD_TILE8(NAME, TARGET, PREP, DOT8)                                                       \
+#define QD_TILE8(NAME, TARGET, PREP, DOT8)                                                 \
     static inline __attribute__((always_inline)) TARGET void NAME(                         \
             const int R, const int8_t* codes, const uint16_t* d, const int8_t* xq,         \
             const float* sx, const float* sumx, uint16_t* y, int cg, int n, int k) {       \
