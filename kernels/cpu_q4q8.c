@@ -111,7 +111,7 @@ static QD_AVX2 void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq
 /* The weights stream from DRAM once a step (96 MB for SmolLM2), and the hardware prefetcher
  * alone leaves the loops waiting: each tile also asks for the block ``ahead`` bytes past
  * the one it reads (past a tile's end: the next tile's, which follows in memory). On the
- * AVX512-BF16 EPYC the 16-column loop was 5-9 % slower than the 8-column one at 1-5 rows
+ * 2-core AVX512-BF16 EPYC the 16-column loop was 5-9 % slower than the 8-column one at 1-5 rows
  * from DRAM without it, and 1-6 % faster with it (docs/kernels.md). */
 #define QD_AHEAD_4BIT 1024
 #define QD_AHEAD_8BIT 2048

@@ -6,7 +6,8 @@
  * the AVX2 loop's; a last, odd group runs on the 8-column tile.
  *
  * Weights packed unpaired (kernels/cpu_q4q8.py does so where these loops do not run, i.e.
- * on AVX2-only CPUs, whose 8-column loop reads the paired layout 12-30 % slower) go
+ * on AVX2-only CPUs, whose 8-column loop reads the paired layout 12-30 % slower, run on
+ * the AVX512-BF16 EPYC) go
  * through the 8-column loops.
  *
  * Why: with 8 columns a vector the loop is bound by issuing instructions, not by the VNNI
