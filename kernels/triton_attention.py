@@ -51,6 +51,7 @@ from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.kernels.triton_common import (
     INTERPRET,
     available,
+    dot,
     jit,
     next_pow2,
     require,
@@ -89,17 +90,6 @@ def interpreting() -> bool:
 
 # ----------------------------------------------------------------------------------------------
 # kernels
-
-
-@jit
-def _dot(a, b, INTERP: tl.constexpr, PRECISION: tl.constexpr):
-    """``a @ b`` accumulated in fp32. Under the interpreter bf16 operands are widened to fp32
-    first: triton 3.x's interpreter multiplies bf16 tiles as their raw uint16 bits. (bf16 x bf16
-    products are exact in fp32, so this only changes the summation order.)"""
-    if INTERP and a.dtype == tl.bfloat16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=PRECISION)
 
 
 @jit
@@ -195,7 +185,7 @@ def _paged_attention_kernel(
                     other=0.0)  # [HEAD_DIM_PAD, BLOCK_N]
         v = tl.load(kv_ptr + stride_kv + base[:, None] + d[None, :] * stride_kd,
                     mask=pos_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-        s = _dot(q, k, INTERP, PRECISION) * qk_scale
+        s = dot(q, k, INTERP, PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         if HAS_TREE:
             # a tree row sees [0, prefix) and the query rows whose bits it has; its mask has
@@ -213,7 +203,7 @@ def _paged_attention_kernel(
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(round_to(p, v.dtype, INTERP), v, INTERP, PRECISION)
+        acc = acc * alpha[:, None] + dot(round_to(p, v.dtype, INTERP), v, INTERP, PRECISION)
         m_i = m_new
 
     out_mask = row_ok[:, None] & d_ok[None, :]

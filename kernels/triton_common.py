@@ -66,3 +66,22 @@ def round_to(x, DTYPE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@jit
+def dot(a, b, INTERP: tl.constexpr, PRECISION: tl.constexpr):
+    """``a [M, K] @ b [K, N]`` accumulated in fp32.
+
+    INTERP (the interpreter): an explicit product and a sum over ``k``, in fp32. The
+    interpreter's ``tl.dot`` is numpy's matmul, whose BLAS kernels give a row different bits
+    at different positions of the tile on some CPUs (OpenBLAS's Haswell kernels, which the
+    AVX2-only EPYCs run: a row alone and the same row 8th of a 16-row tile differed in the
+    last bit), so the batch invariance that the interpreted tests check would be the BLAS's,
+    not the kernel's. Here every (row, column) gets the same operations in the same order
+    (numpy reduces a middle axis slice by slice). bf16 operands are widened first: triton
+    3.x's interpreter multiplies bf16 tiles as their raw uint16 bits (bf16 x bf16 products
+    are exact in fp32). Compiled kernels pass False and use the tensor cores' ``tl.dot``."""
+    if INTERP:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)

@@ -26,6 +26,7 @@ import torch
 from quickdraft.kernels.triton_common import (
     INTERPRET,
     available,
+    dot,
     jit,
     require,
     round_to,
@@ -68,11 +69,7 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)  # [BM, BK]
         b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
-        if INTERP and a.dtype == tl.bfloat16:
-            # the interpreter multiplies bf16 tiles as raw bits: widen (products stay exact)
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, b, input_precision=PRECISION)
+        acc += dot(a, b, INTERP, PRECISION)  # [BM, BN] fp32
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = round_to(acc, y_ptr.dtype.element_ty, INTERP)  # once, to nearest even
