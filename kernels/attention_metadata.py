@@ -48,7 +48,6 @@ No triton import here: the engine builds metadata whether or not the kernels are
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -209,8 +208,8 @@ def fill_packed(out: np.ndarray, layout: MetadataLayout, query_start_loc: Sequen
 
 
 def unpack(buf: torch.Tensor, host: np.ndarray, layout: MetadataLayout, block_size: int,
-           max_query_len: int, max_seq_len: int,
-           num_splits: int | None = None) -> AttentionMetadata:
+           max_query_len: int, max_seq_len: int, num_splits: int | None = None,
+           tree_mask: torch.Tensor | None = None) -> AttentionMetadata:
     """Views of a packed int32 buffer (on any device) as metadata; ``host`` is its host
     side (``buf``'s own memory on a CPU)."""
     o_slots, o_qsl, o_lens, o_tables = layout.offsets()
@@ -225,7 +224,36 @@ def unpack(buf: torch.Tensor, host: np.ndarray, layout: MetadataLayout, block_si
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         num_splits=num_splits,
+        tree_mask=tree_mask,
     )
+
+
+# Steps whose packed array is at most this long are filled by plain Python (a decode or a
+# drafting round: a few rows, a few blocks), where numpy's per-call cost would be most of it.
+SMALL_STEP_SIZE = 256
+
+
+def _fill_small(layout: MetadataLayout, query_start_loc: Sequence[int],
+                seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                block_size: int) -> list[int]:
+    """:func:`fill_packed`'s array as a list, for a step with no padding sequence (the
+    layout is the step's own): the same checks and the same values."""
+    num_seqs = len(seq_lens)
+    if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0:
+        raise ValueError(f"query_start_loc {list(query_start_loc)} for {num_seqs} sequences")
+    slots: list[int] = []
+    tables: list[int] = []
+    width = layout.max_blocks
+    for s, table in enumerate(block_tables):
+        start, end, ctx = query_start_loc[s], query_start_loc[s + 1], seq_lens[s]
+        if not 0 <= end - start <= ctx <= len(table) * block_size:
+            raise ValueError(f"sequence {s}: {end - start} new tokens, context {ctx}, "
+                             f"{len(table)} blocks of {block_size}")
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(ctx - (end - start), ctx)]
+        tables += table
+        tables += [0] * (width - len(table))
+    return [*slots, *query_start_loc, *seq_lens, *tables]
 
 
 def build_metadata(query_start_loc: Sequence[int], seq_lens: Sequence[int],
@@ -237,18 +265,23 @@ def build_metadata(query_start_loc: Sequence[int], seq_lens: Sequence[int],
     edited."""
     layout = MetadataLayout(query_start_loc[-1], len(seq_lens),
                             max((len(t) for t in block_tables), default=0) or 1)
-    packed = np.empty(layout.size, dtype=np.int32)
-    fill_packed(packed, layout, query_start_loc, seq_lens, block_tables, block_size)
+    if layout.size <= SMALL_STEP_SIZE and len(block_tables) == len(seq_lens):
+        packed = np.array(_fill_small(layout, query_start_loc, seq_lens, block_tables,
+                                      block_size), dtype=np.int32)
+    else:
+        packed = np.empty(layout.size, dtype=np.int32)
+        fill_packed(packed, layout, query_start_loc, seq_lens, block_tables, block_size)
+    on_device = device is not None and torch.device(device).type != "cpu"
     buf = torch.from_numpy(packed)
-    if device is not None and torch.device(device).type != "cpu":
+    if on_device:
         buf = buf.to(device, non_blocking=True)
+    mask = None
+    if tree_mask is not None and any(tree_mask):
+        # signed int64: a row at index 63 has its top bit set
+        mask = torch.tensor([m - (1 << 64) if m >= 1 << 63 else m for m in tree_mask],
+                            dtype=torch.int64)
+        if on_device:
+            mask = mask.to(device, non_blocking=True)
     max_query = max((b - a for a, b in itertools.pairwise(query_start_loc)), default=0)
-    meta = unpack(buf, packed, layout, block_size, max_query, max(seq_lens, default=0))
-    if tree_mask is None or not any(tree_mask):
-        return meta
-    # signed int64: a row at index 63 has its top bit set
-    signed = [m - (1 << 64) if m >= 1 << 63 else m for m in tree_mask]
-    mask = torch.tensor(signed, dtype=torch.int64)
-    if device is not None and torch.device(device).type != "cpu":
-        mask = mask.to(device, non_blocking=True)
-    return dataclasses.replace(meta, tree_mask=mask)
+    return unpack(buf, packed, layout, block_size, max_query, max(seq_lens, default=0),
+                  tree_mask=mask)

@@ -53,7 +53,7 @@ from quickdraft.engine.step_plan import StepPlan
 from quickdraft.kernels import cpu_int4, cpu_layer, cpu_q4q8
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.spec.draft_head import DraftHead
-from quickdraft.spec.head_search import HeadInput, HeadOutput, HeadSearch
+from quickdraft.spec.head_search import CHILDREN, HeadInput, HeadOutput, HeadSearch
 from quickdraft.spec.token_tree import TokenTree
 
 __all__ = ["DraftHeadRunner", "HeadInput", "HeadLinear", "HeadOutput"]
@@ -285,9 +285,7 @@ class DraftHeadRunner:
         last = torch.tensor(plan.logits_indices, device=device)
         roots = [HeadSearch(inp, out[row]) for inp, row in
                  zip(inputs, plan.logits_indices, strict=True)]
-        first = self._log_probs(out[last])  # [A, V_d]
-        for search, lp in zip(roots, first, strict=True):
-            search.expand(-1, lp, self)
+        self._expand([(s, -1) for s in roots], self._log_probs(out[last]))
         # 2. rounds: feed the best candidates (K/V at their node slots), learn their children
         rounds = max(s.rounds for s in roots)
         for round_index in range(rounds):
@@ -301,13 +299,28 @@ class DraftHeadRunner:
                                 for node in s.pending], device=device)  # [r] flat rows
             native = self._round_native(active, plan, meta, fed)
             out = native if native is not None else self._round_python(rows, plan, meta, fed)
-            lps = self._log_probs(out)
-            for i, ((s, node), lp) in enumerate(zip(rows, lps, strict=True)):
+            for i, (s, node) in enumerate(rows):
                 s.outputs[node] = out[i]
-                s.expand(node, lp, self)
+            self._expand(rows, self._log_probs(out))
             for s in active:
                 s.pending.clear()
         return [s.finish() for s in roots]
+
+    def _expand(self, rows: list[tuple[HeadSearch, int]], log_probs: torch.Tensor) -> None:
+        """Each (search, node)'s candidates from its row of ``log_probs [R, V_d]``: one
+        top-k and one copy to Python for the greedy rows."""
+        greedy = [i for i, (s, _) in enumerate(rows) if s.greedy]
+        if greedy:
+            lps = log_probs if len(greedy) == len(rows) else log_probs[greedy]
+            top = torch.topk(lps, min(CHILDREN, lps.shape[-1]))  # [g, CHILDREN]
+            values = top.values.tolist()
+            tokens = self.draft_to_target[top.indices].tolist()
+            for j, i in enumerate(greedy):
+                s, node = rows[i]
+                s.expand_top(node, values[j], tokens[j])
+        for i, (s, node) in enumerate(rows):
+            if not s.greedy:
+                s.expand(node, log_probs[i], self)
 
     def sample_child(self, log_probs: torch.Tensor, inp: HeadInput,
                      ) -> tuple[int, torch.Tensor]:

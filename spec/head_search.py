@@ -84,16 +84,25 @@ class HeadSearch:
         return self.root_out if parent < 0 else self.outputs[parent]
 
     def expand(self, node: int, log_probs: torch.Tensor, runner: _Sampler) -> None:
-        """Candidates below ``node`` (-1: the root) from its distribution."""
-        base = self.scores[node] if node >= 0 else 0.0
+        """Candidates below ``node`` (-1: the root) from its distribution ``log_probs
+        [V_d]`` (greedy searches: see :meth:`expand_top`, which takes them batched)."""
         if not self.greedy:  # a chain: one sampled child
             token, q = runner.sample_child(log_probs, self.inp)
-            self._push(base, node, token)
+            self._push(self.scores[node] if node >= 0 else 0.0, node, token)
             self.q.append(q)
             return
-        top = torch.topk(log_probs, CHILDREN if self.branching else 1)
-        ids = runner.draft_to_target[top.indices].tolist()
-        for lp, token in zip(top.values.tolist(), ids, strict=True):
+        top = torch.topk(log_probs, min(CHILDREN, log_probs.shape[-1]))
+        self.expand_top(node, top.values.tolist(),
+                        runner.draft_to_target[top.indices].tolist())
+
+    def expand_top(self, node: int, log_probs: list[float], tokens: list[int]) -> None:
+        """A greedy search's candidates below ``node`` (-1: the root): the (at most
+        ``CHILDREN``) likeliest tokens of its distribution (target ids), best first, with
+        their log-probabilities; a chain keeps the first."""
+        assert self.greedy and len(log_probs) == len(tokens) <= CHILDREN
+        base = self.scores[node] if node >= 0 else 0.0
+        for lp, token in zip(log_probs[:CHILDREN if self.branching else 1], tokens,
+                             strict=False):
             self._push(base + lp, node, token)
 
     def _push(self, score: float, parent: int, token: int) -> None:
