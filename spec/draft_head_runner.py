@@ -339,16 +339,18 @@ class DraftHeadRunner:
 
     @torch.inference_mode()
     def time_propose(self, batch: int, k: int, context: int = 64,
-                     max_depth: int | None = None) -> float:
+                     max_depth: int | None = None, catch_up: int = 1) -> float:
         """Seconds for one greedy propose of ``k`` nodes at most ``max_depth`` deep for
-        ``batch`` requests after ``context`` positions. Uses the first blocks: call only
-        while no request runs."""
-        per_seq = -(-(context + k + 2) // self.block_size)
+        ``batch`` requests after ``context`` positions, each first catching up on
+        ``catch_up`` verified positions. Uses the first blocks: call only while no request
+        runs."""
+        per_seq = -(-(context + catch_up + k + 1) // self.block_size)
         if per_seq > self.kv_cache.shape[1]:
             return float("nan")
         width = len(self.head.config.aux_layers) * self.head.config.hidden_size
-        inp = HeadInput(torch.zeros(1, width), [0], context, k, tuple(range(per_seq)),
-                        SamplingParams(temperature=0.0), None, max_depth=max_depth)
+        inp = HeadInput(torch.zeros(catch_up, width), [0] * catch_up, context, k,
+                        tuple(range(per_seq)), SamplingParams(temperature=0.0), None,
+                        max_depth=max_depth)
         synchronize(self.embed.device)
         start = time.perf_counter()
         self.propose([inp] * batch)
