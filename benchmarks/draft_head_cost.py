@@ -3,7 +3,8 @@ SmolLM2 decode step on the CPU).
 
 For each context length: the target's decode step (1 token, one request), one head forward
 (a 1-node proposal: the catch-up row and its distribution) and a whole tree proposal of
-``2k`` nodes (catch-up + rounds), medians of ``--repeats`` timings, as ratios to the step.
+``2k`` nodes (catch-up + rounds), medians of ``--repeats`` timings, as ratios to the step;
+then what each further position to catch up on adds to a proposal.
 
 Run: ``python benchmarks/draft_head_cost.py`` (the shipped head of the default model) writes
 ``benchmarks/results/draft_head_cost.{json,png}`` and prints a markdown table.
@@ -60,9 +61,14 @@ def main() -> int:
                      "forward_ratio": one / step, "tree_ratio": tree / step})
         rows.append([context, fmt(step * 1e3, 2), fmt(one * 1e3, 3), fmt(one / step, 3),
                      fmt(tree * 1e3, 3), fmt(tree / step, 3)])
+    # a proposal first catches up on every position verified since the head last drafted
+    catch_up = {m: median([head.time_propose(1, 2, 256, max_depth=1, catch_up=m)
+                           for _ in range(args.repeats)]) for m in (1, 9)}
+    per_position = max(catch_up[9] - catch_up[1], 0.0) / 8
     info = machine_info()
     out = {"machine": info, "threads": args.threads, "k": args.k,
-           "head": str(args.draft_head), "rows": data}
+           "head": str(args.draft_head), "rows": data,
+           "catch_up_ms_per_position": per_position * 1e3}
     write_json(out, RESULTS_DIR / "draft_head_cost.json")
     fig, ax = new_figure()
     xs = range(len(data))
@@ -79,6 +85,7 @@ def main() -> int:
     save_figure(fig, RESULTS_DIR / "draft_head_cost.png")
     print(markdown_table(["context", "target step ms", "head forward ms", "ratio",
                           f"tree ({2 * args.k} nodes) ms", "ratio"], rows))
+    print(f"\ncatch-up before a proposal (context 256): {per_position * 1e3:.3f} ms a position")
     return 0
 
 

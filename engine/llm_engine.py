@@ -32,13 +32,7 @@ from quickdraft.spec.draft_head import SHIPPED_HEADS, find_head, model_fingerpri
 from quickdraft.spec.draft_head_runner import DraftHeadRunner
 from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
 from quickdraft.spec.params import SpeculationParams
-from quickdraft.spec.policy import (
-    ObservedFixedCost,
-    ObservedStepCost,
-    SpeculationPolicy,
-    StepCost,
-    measure_step_cost,
-)
+from quickdraft.spec.policy import ObservedStepCost, SpeculationPolicy, StepCost, measure_step_cost
 from quickdraft.spec.speculator import HEAD_NODES_PER_DRAFT, Speculator
 from quickdraft.spec.suffix_corpus import find_corpus
 
@@ -104,7 +98,6 @@ class LLMEngine:
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         draft_cost, draft_fixed_cost = self._draft_cost()
-        catch_up_cost = self._catch_up_cost()
         step_cost = self._step_cost()
         # a measured curve is corrected by the steps' real times while serving (a busy
         # neighbour makes rows dearer); the default curve of an unmeasured engine stays fixed
@@ -112,7 +105,7 @@ class LLMEngine:
             if config.measure_step_cost and config.speculation != "off" else None
         policy = SpeculationPolicy(
             self.step_cost or step_cost, config.num_speculative_tokens, draft_cost=draft_cost,
-            draft_fixed_cost=draft_fixed_cost, catch_up_cost=catch_up_cost,
+            draft_fixed_cost=draft_fixed_cost,
             rows_per_model_draft=HEAD_NODES_PER_DRAFT if self.head and not self.draft else 1)
         self.speculation = config.speculation
         if self.speculation == "auto":
@@ -172,7 +165,7 @@ class LLMEngine:
         log.info("step cost by tokens: %s", dict(zip(cost.num_tokens, cost.seconds, strict=True)))
         return cost
 
-    def _draft_cost(self) -> tuple[StepCost | None, StepCost | ObservedFixedCost | None]:
+    def _draft_cost(self) -> tuple[StepCost | None, StepCost | None]:
         """``(per draft, fixed)`` by batch size (None when not measured: drafting is free).
         The draft model: one forward per draft, nothing fixed. A draft head: a proposal
         for one draft (a tree of depth 1: its catch-up forward alone) is timed beside one
@@ -195,8 +188,7 @@ class LLMEngine:
             log.info("draft head cost by batch: per draft %s, fixed %s",
                      dict(zip(batches, per_draft, strict=True)),
                      dict(zip(batches, fixed, strict=True)))
-            # the fixed part corrected by the proposals served (glue)
-            return StepCost(batches, per_draft), ObservedFixedCost(StepCost(batches, fixed))
+            return StepCost(batches, per_draft), StepCost(batches, fixed)
         if self.draft is None:
             return None, None
         sizes = [n for n in (1, 2, 4, 8, 9, 16, 17, 32) if n <= self.config.max_num_seqs]
@@ -204,19 +196,6 @@ class LLMEngine:
         log.info("draft step cost by batch: %s",
                  dict(zip(cost.num_tokens, cost.seconds, strict=True)))
         return cost, None
-
-    def _catch_up_cost(self) -> float:
-        """Seconds per position a draft head's proposal catches up on (one request: a
-        proposal after 9 verified positions against one after 1, best of 3 each; 0 without
-        a head or when not measured)."""
-        if not self.config.measure_step_cost or self.head is None or self.draft is not None:
-            return 0.0
-        head = self.head
-        one, nine = (min(head.time_propose(1, 2, max_depth=1, catch_up=m) for _ in range(3))
-                     for m in (1, 9))
-        per_row = max((nine - one) / 8, 0.0)
-        log.info("draft head catch-up: %.1f us a position", per_row * 1e6)
-        return per_row
 
     def _max_model_len(self, hf_config: Any) -> int:
         limit = hf_config.max_position_embeddings

@@ -169,37 +169,6 @@ class ObservedStepCost:
         return self.base(n) * ratio
 
 
-class ObservedFixedCost:
-    """A draft head's fixed proposal cost (by batch size), corrected by what its proposals
-    take while serving.
-
-    The start-up timing proposes after one verified position. Serving, a proposal first
-    catches up on every position verified since the head last drafted (priced apart, per
-    position: ``SpeculationPolicy.catch_up_cost``), joins the kept features and runs the
-    speculator's glue: on the 2-core AVX2-only EPYC 2-node proposals priced at 0.9 ms took
-    1.7 ms on average, while 8-node ones came close to their price (2026-11-27). That
-    overhead is about the same whatever the depth, so the correction is additive: the price
-    is the start-up one plus the median of the last ``window`` differences ``observed -
-    priced`` (each proposal's price at the start-up costs, catch-up included), floored at 0.
-
-    Invariant: the speculator (after each head proposal) is the only writer."""
-
-    def __init__(self, base: StepCost, window: int = 16) -> None:
-        self.base = base
-        self._extra: deque[float] = deque(maxlen=window)
-        self.extra = 0.0  # seconds added to every batch size's fixed cost
-
-    def observe(self, excess: float) -> None:
-        """A proposal took ``excess`` seconds more than the start-up costs price it at
-        (negative: less)."""
-        assert excess == excess and abs(excess) != float("inf"), excess
-        self._extra.append(excess)
-        self.extra = statistics.median(self._extra)
-
-    def __call__(self, batch: int) -> float:
-        return max(self.base(batch) + self.extra, 0.0)
-
-
 @dataclass
 class AcceptanceTracker:
     """Per-request acceptance estimate (exponential moving average over verified drafts).
@@ -246,10 +215,7 @@ class SpeculationPolicy:
     # Background tokens count this much in the batch's rate: when drafting stops paying for
     # everyone (a saturated batch), background requests lose their drafts first.
     background_weight: float = 0.25
-    draft_fixed_cost: StepCost | ObservedFixedCost | None = None
-    # seconds per verified position a draft head catches up on before drafting (its features
-    # fed since it last drafted: a request it seldom drafts for has many), per request
-    catch_up_cost: float = 0.0
+    draft_fixed_cost: StepCost | None = None
     # target rows verified per draft granted to the draft model's proposals (a draft head
     # drafts a tree of this many nodes per granted draft: each node is a verified row)
     rows_per_model_draft: int = 1
@@ -258,18 +224,16 @@ class SpeculationPolicy:
                  num_plain_tokens: int, uses_draft: Sequence[bool] | None = None,
                  weights: Sequence[float] | None = None,
                  gains: Sequence[Sequence[float] | None] | None = None,
-                 other_tokens: float = 0.0,
-                 catch_up: Sequence[int] | None = None) -> list[int]:
+                 other_tokens: float = 0.0) -> list[int]:
         """Draft counts per request: :meth:`allocate_with_rate`'s."""
         return self.allocate_with_rate(alphas, available, num_plain_tokens, uses_draft,
-                                       weights, gains, other_tokens, catch_up)[0]
+                                       weights, gains, other_tokens)[0]
 
     def allocate_with_rate(self, alphas: Sequence[float], available: Sequence[int],
                            num_plain_tokens: int, uses_draft: Sequence[bool] | None = None,
                            weights: Sequence[float] | None = None,
                            gains: Sequence[Sequence[float] | None] | None = None,
-                           other_tokens: float = 0.0,
-                           catch_up: Sequence[int] | None = None) -> tuple[list[int], float]:
+                           other_tokens: float = 0.0) -> tuple[list[int], float]:
         """Draft counts per request, and the step's expected rate with them (weighted
         tokens per second: what two alternative proposals are compared by).
         ``available[i]``: drafts request i could verify (proposer output, already capped);
@@ -282,9 +246,7 @@ class SpeculationPolicy:
         best-first order, each the probability that its whole path is accepted;
         ``other_tokens``: what the step's other requests emit (weighted), e.g. decoding
         requests with nothing to draft. They count in the step's rate: leaving them out
-        would make a draft look worth more, the fewer requests have one;
-        ``catch_up[i]``: positions a draft head must catch up on before drafting for request
-        i (``catch_up_cost`` seconds each, paid only if it drafts)."""
+        would make a draft look worth more, the fewer requests have one."""
         uses_draft = uses_draft or [False] * len(alphas)
         w = weights or [1.0] * len(alphas)
         base = float(sum(w)) + other_tokens
@@ -302,9 +264,7 @@ class SpeculationPolicy:
                 trial = plan.with_draft_model(i, min(depth, available[i], self.max_k),
                                               alphas[i], depth, taken, self.draft_cost, w[i],
                                               self.draft_fixed_cost,
-                                              self.rows_per_model_draft,
-                                              self.catch_up_cost * (catch_up[i] if catch_up
-                                                                    else 0))
+                                              self.rows_per_model_draft)
                 if trial.rate(self.cost) <= plan.rate(self.cost):
                     break
                 plan = trial
@@ -312,16 +272,6 @@ class SpeculationPolicy:
             if plan.rate(self.cost) > best.rate(self.cost):
                 best = plan
         return best.ks, best.rate(self.cost)
-
-    def observe_model_draft(self, batch: int, depth: int, catch_up: int,
-                            seconds: float) -> None:
-        """A draft-model or head proposal for ``batch`` requests, ``depth`` drafts deep,
-        catching up on ``catch_up`` positions in all, took ``seconds``: corrects the fixed
-        cost where it is observed."""
-        fixed = self.draft_fixed_cost
-        if isinstance(fixed, ObservedFixedCost) and self.draft_cost is not None and depth:
-            fixed.observe(seconds - fixed.base(batch) - depth * self.draft_cost(batch)
-                          - catch_up * self.catch_up_cost)
 
     def probe_pays(self, num_tokens: int, tokens: float) -> bool:
         """Whether one more draft, accepted with probability ``probe_alpha``, raises the rate
@@ -370,16 +320,14 @@ class _Plan:
 
     def with_draft_model(self, i: int, k: int, alpha: float, depth: int, batch: int,
                          draft_cost: StepCost | None, weight: float = 1.0,
-                         fixed_cost: Callable[[int], float] | None = None,
-                         rows_per_draft: int = 1, extra_seconds: float = 0.0,
+                         fixed_cost: StepCost | None = None, rows_per_draft: int = 1,
                          ) -> _Plan:
         """Request ``i`` drafts ``k`` tokens with the model (``rows_per_draft * k`` rows
-        verified, ``extra_seconds`` of its own drafting time); ``batch`` requests now do."""
+        verified); ``batch`` requests now do."""
         ks = list(self.ks)
         ks[i] = k
         gain = weight * sum(alpha ** j for j in range(1, k + 1))
         seconds = depth * draft_cost(batch) if draft_cost is not None else 0.0
         if fixed_cost is not None:
             seconds += fixed_cost(batch)
-        return _Plan(ks, self.tokens + gain, self.n + rows_per_draft * k,
-                     seconds + extra_seconds)
+        return _Plan(ks, self.tokens + gain, self.n + rows_per_draft * k, seconds)

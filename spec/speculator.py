@@ -123,7 +123,6 @@ class _Candidate:
     # combined: the free proposal (suffix tree) to use instead when drafting with the head
     # or draft model does not pay this step (the policy's rates decide)
     fallback: _Candidate | None = None
-    catch_up: int = 0  # positions the draft head catches up on before drafting (head only)
 
     @property
     def gains(self) -> list[float] | None:
@@ -263,8 +262,7 @@ class Speculator:
     def _head_candidate(self, request: Request, k: int) -> _Candidate | None:
         if self.head is None:
             return None
-        return _Candidate(request, "head", None, [], k, self._tracker(request, "head"),
-                          catch_up=_catch_up(request))
+        return _Candidate(request, "head", None, [], k, self._tracker(request, "head"))
 
     def _best_of(self, request: Request, k: int, public: bool = True
                  ) -> _Candidate | None:
@@ -436,8 +434,7 @@ class Speculator:
             return self.policy.allocate_with_rate(
                 [c.tracker.alpha for c in cands], [c.available for c in cands],
                 num_plain_tokens, [c.tree is None for c in cands], weights,
-                [c.gains for c in cands], other_tokens=other_tokens,
-                catch_up=[c.catch_up for c in cands])
+                [c.gains for c in cands], other_tokens=other_tokens)
 
         ks, best = rate(candidates)
         if not any(c.fallback is not None for c in candidates):
@@ -466,11 +463,7 @@ class Speculator:
         start = time.perf_counter()
         by_head = [r for r in requests if r.spec_state.in_flight_source == "head"]
         if by_head:
-            depth = max(r.spec_state.in_flight_depth for r in by_head)  # the drafts granted
-            catch_up = sum(_catch_up(r) for r in by_head)
             self._draft_with_head(by_head)
-            self.policy.observe_model_draft(len(by_head), depth, catch_up,
-                                            time.perf_counter() - start)
         if len(by_head) < len(requests):
             self._draft_with_model([r for r in requests
                                     if r.spec_state.in_flight_source != "head"])
@@ -608,13 +601,6 @@ def _best_path(tree: TokenTree, scores: list[float], k: int) -> list[int]:
         node = max(kids, key=lambda c: scores[c])
         path.append(tree.token_ids[node])
     return path
-
-
-def _catch_up(request: Request) -> int:
-    """Positions the draft head feeds before drafting for ``request`` (its features from
-    the later of ``head_valid`` and the first kept one, up to the pending token)."""
-    state = request.spec_state
-    return max(request.num_tokens - 1 - max(state.head_valid, state.head_features_start), 1)
 
 
 def _context(request: Request, limit: int) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quickdraft.spec.policy import ObservedFixedCost, ObservedStepCost, SpeculationPolicy, StepCost
+from quickdraft.spec.policy import ObservedStepCost, SpeculationPolicy, StepCost
 
 QUIET = StepCost((1, 2, 4, 8), (6.0, 6.4, 7.1, 10.9))  # ms, the quiet machine's curve
 
@@ -103,42 +103,3 @@ def test_the_engine_feeds_its_steps_to_the_policys_curve(tiny_model_dir):
                                    speculation="ngram", measure_step_cost=False,
                                    num_kv_blocks=64, block_size=4), progress=False)
     assert fixed.step_cost is None
-
-
-# ---------------------------------------------------------------- a draft head's fixed cost
-
-def test_observed_fixed_cost_adds_the_median_excess_and_never_goes_below_zero():
-    fixed = ObservedFixedCost(StepCost((1, 8), (0.001, 0.002)), window=3)
-    assert fixed(1) == 0.001 and fixed(8) == 0.002  # nothing observed: the start-up cost
-    for excess in (0.004, 0.0005, 0.0006):
-        fixed.observe(excess)
-    assert fixed(1) == pytest.approx(0.0016) and fixed(8) == pytest.approx(0.0026)
-    for excess in (-0.01, -0.01, -0.01):  # the window keeps the last 3
-        fixed.observe(excess)
-    assert fixed(1) == 0.0 and fixed(8) == 0.0
-    with pytest.raises(AssertionError):
-        fixed.observe(float("nan"))
-
-
-def test_policy_observes_head_proposals_net_of_depth_and_catch_up():
-    per_draft = StepCost((1, 8), (0.001, 0.001))
-    fixed = ObservedFixedCost(StepCost((1, 8), (0.0005, 0.0005)))
-    policy = SpeculationPolicy(StepCost((1, 64), (0.006, 0.012)), draft_cost=per_draft,
-                               draft_fixed_cost=fixed, catch_up_cost=0.0001)
-    # 0.0005 fixed + 3 drafts * 0.001 + 10 positions * 0.0001 = 0.0045 priced; took 0.0055
-    policy.observe_model_draft(batch=1, depth=3, catch_up=10, seconds=0.0055)
-    assert fixed.extra == pytest.approx(0.001)
-    policy.observe_model_draft(batch=1, depth=0, catch_up=10, seconds=1.0)  # no drafts: ignored
-    assert fixed.extra == pytest.approx(0.001)
-
-
-def test_catch_up_positions_price_a_head_proposal():
-    """The same head request, once with nothing to catch up on and once with 40 positions:
-    the catch-up's time makes the drafts not pay."""
-    policy = SpeculationPolicy(StepCost((1, 64), (0.006, 0.0123)),
-                               draft_cost=StepCost((1, 8), (0.0005, 0.0005)),
-                               draft_fixed_cost=StepCost((1, 8), (0.0, 0.0)),
-                               catch_up_cost=0.0001)
-    args = ([0.8], [4], 1, [True])
-    assert policy.allocate(*args, catch_up=[1]) == [4]
-    assert policy.allocate(*args, catch_up=[400]) == [0]
