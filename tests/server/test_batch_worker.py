@@ -141,7 +141,9 @@ def test_stopped_worker_leaves_lines_pending_and_another_takes_over(llm, tmp_pat
             # included), not the ones already answered.
             answered_by_first = 8 - second_link.prompts
             assert partial["request_counts"]["completed"] <= answered_by_first < 8
-            assert first_link.prompts > answered_by_first  # it had lines in flight
+            # it had lines in flight when stopped (partial's condition); a line taken may be
+            # aborted before its task reached the link, so the link may not have counted it
+            assert first_link.prompts >= answered_by_first
         finally:
             await first.stop()
             await second.stop()
