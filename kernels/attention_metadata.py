@@ -167,6 +167,17 @@ def slots_of(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.nd
     return table[positions // block_size] * block_size + positions % block_size
 
 
+def _check_query_start_loc(query_start_loc: Sequence[int], num_seqs: int) -> None:
+    if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0:
+        raise ValueError(f"query_start_loc {list(query_start_loc)} for {num_seqs} sequences")
+
+
+def _check_sequence(s: int, q_len: int, ctx: int, num_blocks: int, block_size: int) -> None:
+    if not 0 <= q_len <= ctx <= num_blocks * block_size:
+        raise ValueError(f"sequence {s}: {q_len} new tokens, context {ctx}, "
+                         f"{num_blocks} blocks of {block_size}")
+
+
 def fill_packed(out: np.ndarray, layout: MetadataLayout, query_start_loc: Sequence[int],
                 seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
                 block_size: int) -> None:
@@ -176,8 +187,7 @@ def fill_packed(out: np.ndarray, layout: MetadataLayout, query_start_loc: Sequen
     needed_seqs = num_seqs + (num_tokens < layout.num_tokens)  # + the padding sequence
     if num_tokens > layout.num_tokens or needed_seqs > layout.num_seqs:
         raise ValueError(f"{num_tokens} tokens / {num_seqs} sequences do not fit {layout}")
-    if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0:
-        raise ValueError(f"query_start_loc {list(query_start_loc)} for {num_seqs} sequences")
+    _check_query_start_loc(query_start_loc, num_seqs)
     o_slots, o_qsl, o_lens, o_tables = layout.offsets()
     slots = out[o_slots:o_qsl]
     qsl = out[o_qsl:o_lens]
@@ -186,9 +196,7 @@ def fill_packed(out: np.ndarray, layout: MetadataLayout, query_start_loc: Sequen
     tables[:] = 0
     for s, table in enumerate(block_tables):
         start, end, ctx = query_start_loc[s], query_start_loc[s + 1], seq_lens[s]
-        if not 0 <= end - start <= ctx <= len(table) * block_size:
-            raise ValueError(f"sequence {s}: {end - start} new tokens, context {ctx}, "
-                             f"{len(table)} blocks of {block_size}")
+        _check_sequence(s, end - start, ctx, len(table), block_size)
         if len(table) > layout.max_blocks:
             raise ValueError(f"block table of {len(table)} blocks > {layout.max_blocks}")
         row = np.asarray(table, dtype=np.int32)
@@ -237,18 +245,14 @@ def _fill_small(layout: MetadataLayout, query_start_loc: Sequence[int],
                 seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
                 block_size: int) -> list[int]:
     """:func:`fill_packed`'s array as a list, for a step with no padding sequence (the
-    layout is the step's own): the same checks and the same values."""
-    num_seqs = len(seq_lens)
-    if len(query_start_loc) != num_seqs + 1 or query_start_loc[0] != 0:
-        raise ValueError(f"query_start_loc {list(query_start_loc)} for {num_seqs} sequences")
+    layout is the step's own): the same checks and the same values (a test compares them)."""
+    _check_query_start_loc(query_start_loc, len(seq_lens))
     slots: list[int] = []
     tables: list[int] = []
     width = layout.max_blocks
     for s, table in enumerate(block_tables):
         start, end, ctx = query_start_loc[s], query_start_loc[s + 1], seq_lens[s]
-        if not 0 <= end - start <= ctx <= len(table) * block_size:
-            raise ValueError(f"sequence {s}: {end - start} new tokens, context {ctx}, "
-                             f"{len(table)} blocks of {block_size}")
+        _check_sequence(s, end - start, ctx, len(table), block_size)
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(ctx - (end - start), ctx)]
         tables += table

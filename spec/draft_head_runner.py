@@ -320,7 +320,7 @@ class DraftHeadRunner:
                 s.expand_top(node, values[j], tokens[j])
         for i, (s, node) in enumerate(rows):
             if not s.greedy:
-                s.expand(node, log_probs[i], self)
+                s.sample_below(node, log_probs[i], self)
 
     def sample_child(self, log_probs: torch.Tensor, inp: HeadInput,
                      ) -> tuple[int, torch.Tensor]:

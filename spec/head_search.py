@@ -47,9 +47,7 @@ class HeadOutput:
 
 
 class _Sampler(Protocol):
-    """What the search asks of the runner."""
-
-    draft_to_target: torch.Tensor  # [V_d] draft id -> target token id
+    """What the search asks of the runner (a sampled chain's draws)."""
 
     def sample_child(self, log_probs: torch.Tensor, inp: HeadInput
                      ) -> tuple[int, torch.Tensor]: ...
@@ -83,17 +81,14 @@ class HeadSearch:
         parent = self.parents[node]
         return self.root_out if parent < 0 else self.outputs[parent]
 
-    def expand(self, node: int, log_probs: torch.Tensor, runner: _Sampler) -> None:
-        """Candidates below ``node`` (-1: the root) from its distribution ``log_probs
-        [V_d]`` (greedy searches: see :meth:`expand_top`, which takes them batched)."""
-        if not self.greedy:  # a chain: one sampled child
-            token, q = runner.sample_child(log_probs, self.inp)
-            self._push(self.scores[node] if node >= 0 else 0.0, node, token)
-            self.q.append(q)
-            return
-        top = torch.topk(log_probs, min(CHILDREN, log_probs.shape[-1]))
-        self.expand_top(node, top.values.tolist(),
-                        runner.draft_to_target[top.indices].tolist())
+    def sample_below(self, node: int, log_probs: torch.Tensor, runner: _Sampler) -> None:
+        """A sampled chain's one candidate below ``node`` (-1: the root), drawn from its
+        distribution ``log_probs [V_d]`` (greedy searches take theirs through
+        :meth:`expand_top`, a round's rows batched by the runner)."""
+        assert not self.greedy
+        token, q = runner.sample_child(log_probs, self.inp)
+        self._push(self.scores[node] if node >= 0 else 0.0, node, token)
+        self.q.append(q)
 
     def expand_top(self, node: int, log_probs: list[float], tokens: list[int]) -> None:
         """A greedy search's candidates below ``node`` (-1: the root): the (at most

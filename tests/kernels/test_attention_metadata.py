@@ -3,11 +3,14 @@ and refusal of a step that breaks the invariants."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
 
 from quickdraft.kernels.attention_metadata import (
+    SMALL_STEP_SIZE,
     MetadataLayout,
     build_metadata,
     fill_packed,
@@ -97,3 +100,25 @@ def test_invariant_check_catches_a_wrong_slot():
     meta.host[0] += 1  # on a CPU the host array is the tensors' memory
     with pytest.raises(AssertionError):
         meta.check_invariants()
+
+
+def test_small_steps_pack_as_fill_packed_does():
+    """build_metadata fills steps of at most SMALL_STEP_SIZE ints in plain Python: the same
+    array as fill_packed's on random steps (decodes, trees, chunks, several block sizes)."""
+    rng = random.Random(3)
+    small = 0
+    for _ in range(500):
+        block = rng.choice([1, 4, 16])
+        qsl, lens, tables = [0], [], []
+        for _ in range(rng.randint(1, 6)):
+            q_len = rng.randint(0, 6)
+            ctx = q_len + rng.randint(0, 40)
+            tables.append(rng.sample(range(500), -(-ctx // block) + rng.randint(0, 2)))
+            lens.append(ctx)
+            qsl.append(qsl[-1] + q_len)
+        layout = MetadataLayout(qsl[-1], len(lens), max(len(t) for t in tables) or 1)
+        want = np.empty(layout.size, dtype=np.int32)
+        fill_packed(want, layout, qsl, lens, tables, block)
+        small += layout.size <= SMALL_STEP_SIZE
+        assert np.array_equal(build_metadata(qsl, lens, tables, block).host, want)
+    assert small > 100
