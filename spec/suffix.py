@@ -131,9 +131,13 @@ class SuffixProposer:
         c = self.config
         tries, context = self._tries(request)
         best = _EMPTY_TREE
-        for tree in tries:
-            draft = tree.speculate_tree(context, max_nodes, c.max_spec_factor,
-                                        c.min_token_prob, c.min_match_len)
+        for i, tree in enumerate(tries):
+            # the request's own trie holds its context as sequence 0: read the matches from
+            # where its last append ended instead of walking them (the same draft)
+            draft = tree.speculate_tree_of(0, max_nodes, c.max_spec_factor, c.min_token_prob,
+                                           c.min_match_len) if i == 0 else \
+                tree.speculate_tree(context, max_nodes, c.max_spec_factor, c.min_token_prob,
+                                    c.min_match_len)
             if sum(draft.probs) > sum(best.probs):
                 best = draft
         if not best.tokens and public and self.corpus is not None:

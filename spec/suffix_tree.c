@@ -29,6 +29,12 @@ typedef struct {
     int32_t* tokens;
     int len, cap;
     int alive;
+    /* the nodes of the suffixes ending at the last token, shallowest first (lengths 1, 2,
+     * ...), as the last append's walk left them; valid while active_len == len (else NULL
+     * or stale): the next append starts from them instead of re-walking max_depth tokens,
+     * and drafting for this sequence's own context reads its matches from them */
+    int32_t* active;
+    int n_active, active_len;
 } Seq;
 
 typedef struct {
@@ -160,7 +166,10 @@ void* qd_st_new(int max_depth) {
 void qd_st_free(void* handle) {
     Tree* t = (Tree*)handle;
     if (!t) return;
-    for (int i = 0; i < t->cap_seqs; ++i) free(t->seqs[i].tokens);
+    for (int i = 0; i < t->cap_seqs; ++i) {
+        free(t->seqs[i].tokens);
+        free(t->seqs[i].active);
+    }
     free(t->seqs);
     free(t->token);
     free(t->count);
@@ -176,11 +185,20 @@ void qd_st_free(void* handle) {
 
 /* Walk the suffixes ending at each of tokens[from..len) of a sequence, adding delta to their
  * nodes' counts (creating nodes when delta > 0). The active set for position from - 1 is
- * rebuilt first from the max_depth tokens before it (counts untouched). */
-static int walk(Tree* t, const int32_t* tokens, int from, int len, int delta) {
+ * `seq`'s cached one when that is valid (then every node in it exists: nodes are never
+ * deleted, and ids never change), else rebuilt from the max_depth tokens before it (counts
+ * untouched; find_child finds the same nodes, the rebuilt set only lacks the depth-max_depth
+ * node, which has no child to walk to). With `seq`, its cache is set to the walk's end. */
+static int walk(Tree* t, const int32_t* tokens, int from, int len, int delta, Seq* seq) {
     int n_active = 0;
     int start = from - t->max_depth + 1;
     if (start < 0) start = 0;
+    if (seq && seq->active && seq->active_len == from) {
+        n_active = seq->n_active;
+        memcpy(t->active, seq->active, (size_t)n_active * sizeof(int32_t));
+        start = from;
+    }
+    if (seq) seq->active_len = -1; /* stale until the walk completes */
     for (int i = start; i < len; ++i) {
         const int counting = i >= from;
         int n_next = 0;
@@ -216,6 +234,11 @@ static int walk(Tree* t, const int32_t* tokens, int from, int len, int delta) {
         memcpy(t->active, t->next_active, (size_t)n_next * sizeof(int32_t));
         n_active = n_next;
     }
+    if (seq && seq->active) {
+        memcpy(seq->active, t->active, (size_t)n_active * sizeof(int32_t));
+        seq->n_active = n_active;
+        seq->active_len = len;
+    }
     return 0;
 }
 
@@ -242,19 +265,25 @@ int qd_st_append(void* handle, int seq_id, const int32_t* tokens, int n) {
     }
     for (int i = 0; i < n; ++i)
         if (tokens[i] < 0) return -1;
+    if (!s->active) {
+        s->active = (int32_t*)malloc((size_t)t->max_depth * sizeof(int32_t));
+        if (!s->active) return -1;
+        s->active_len = -1;
+    }
     memcpy(s->tokens + s->len, tokens, (size_t)n * sizeof(int32_t));
     const int from = s->len;
     s->len += n;
     s->alive = 1;
-    return walk(t, s->tokens, from, s->len, +1);
+    return walk(t, s->tokens, from, s->len, +1, s);
 }
 
 int qd_st_remove(void* handle, int seq_id) {
     Tree* t = (Tree*)handle;
     if (!t || seq_id < 0 || seq_id >= t->cap_seqs || !t->seqs[seq_id].alive) return -1;
     Seq* s = &t->seqs[seq_id];
-    int rc = walk(t, s->tokens, 0, s->len, -1);
+    int rc = walk(t, s->tokens, 0, s->len, -1, NULL);
     free(s->tokens);
+    free(s->active);
     memset(s, 0, sizeof(Seq));
     return rc;
 }
@@ -293,20 +322,32 @@ static int draft_from(const Tree* t, int32_t node, int budget, float min_prob, i
 
 /* The speculate() match: the best chain over the match lengths (see the header) into out;
  * its length, or -1 when out of memory. *node_out / *budget_out: where it starts and its
- * token budget (node 0 when nothing matched). */
-static int best_match(const Tree* t, const int32_t* ctx, int n, int max_tokens, float factor,
-                      float min_prob, int min_match, int32_t* out, float* out_score,
-                      int* out_match, int32_t* node_out, int* budget_out) {
+ * token budget (node 0 when nothing matched). The node of the pattern ctx[-m:] is walked
+ * from the root, or read from `by_len` (by_len[m - 1], lengths 1..n_by_len: a sequence's
+ * cached active set, when ctx is that sequence's tail).
+ *
+ * The loop stops at the first length whose pattern is missing or dead: every occurrence of
+ * ctx[-(m+1):] ends with one of ctx[-m:] at the same position, counted by the same sequence,
+ * so the longer pattern's count is at most the shorter's (and its node exists only if the
+ * shorter's does). */
+static int best_match(const Tree* t, const int32_t* ctx, int n, const int32_t* by_len,
+                      int n_by_len, int max_tokens, float factor, float min_prob,
+                      int min_match, int32_t* out, float* out_score, int* out_match,
+                      int32_t* node_out, int* budget_out) {
     int32_t* buf = (int32_t*)malloc((size_t)(max_tokens > 0 ? max_tokens : 1) * sizeof(int32_t));
     if (!buf) return -1;
     int best_len = 0, best_match = 0, best_budget = 0;
     int32_t best_node = 0;
     float best_score = 0.0f;
-    const int longest = n < t->max_depth ? n : t->max_depth;
+    const int available = by_len ? n_by_len : n;
+    const int longest = available < t->max_depth ? available : t->max_depth;
     for (int m = min_match > 1 ? min_match : 1; m <= longest; ++m) {
         int32_t node = 0;
-        for (int i = n - m; i < n && node >= 0; ++i) node = find_child(t, node, ctx[i]);
-        if (node < 0 || t->count[node] <= 0) continue;
+        if (by_len)
+            node = by_len[m - 1];
+        else
+            for (int i = n - m; i < n && node >= 0; ++i) node = find_child(t, node, ctx[i]);
+        if (node < 0 || t->count[node] <= 0) break;
         int budget = (int)(factor * (float)m);
         if (budget > max_tokens) budget = max_tokens;
         float score;
@@ -336,8 +377,8 @@ int qd_st_speculate(void* handle, const int32_t* ctx, int n, int max_tokens, flo
         return -1;
     int32_t node;
     int budget;
-    return best_match(t, ctx, n, max_tokens, factor, min_prob, min_match, out, out_score,
-                      out_match, &node, &budget);
+    return best_match(t, ctx, n, NULL, 0, max_tokens, factor, min_prob, min_match, out,
+                      out_score, out_match, &node, &budget);
 }
 
 typedef struct {
@@ -381,13 +422,10 @@ static int push_children(const Tree* t, int32_t node, int32_t parent, float p, i
 /* The frequency-scored tree below the speculate() match (see the header): tokens, parents
  * (-1: a child of the match) and path probabilities of up to max_nodes nodes, best-first
  * (a parent before its children). Returns the node count, or -1 on bad input / no memory. */
-int qd_st_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes, float factor,
-                         float min_prob, int min_match, int32_t* tokens, int32_t* parents,
-                         float* probs, int* out_match) {
-    const Tree* t = (const Tree*)handle;
-    if (!t || n < 0 || max_nodes < 0 || max_nodes > 256 || (n > 0 && !ctx) || !tokens
-        || !parents || !probs || !out_match)
-        return -1;
+static int speculate_tree(const Tree* t, const int32_t* ctx, int n, const int32_t* by_len,
+                          int n_by_len, int max_nodes, float factor, float min_prob,
+                          int min_match, int32_t* tokens, int32_t* parents, float* probs,
+                          int* out_match) {
     int32_t* chain = (int32_t*)malloc((size_t)(max_nodes > 0 ? max_nodes : 1) * sizeof(int32_t));
     int32_t* depth = (int32_t*)malloc((size_t)(max_nodes > 0 ? max_nodes : 1) * sizeof(int32_t));
     Cand* cands = (Cand*)malloc((size_t)(max_nodes + 1) * (size_t)(max_nodes + 1) * sizeof(Cand));
@@ -395,8 +433,8 @@ int qd_st_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes,
     float score;
     int32_t match_node;
     int budget;
-    const int len = best_match(t, ctx, n, max_nodes, factor, min_prob, min_match, chain, &score,
-                               out_match, &match_node, &budget);
+    const int len = best_match(t, ctx, n, by_len, n_by_len, max_nodes, factor, min_prob,
+                               min_match, chain, &score, out_match, &match_node, &budget);
     int count = 0;
     if (len > 0) {
         int nc = push_children(t, match_node, -1, 1.0f, max_nodes, cands, 0);
@@ -420,4 +458,33 @@ int qd_st_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes,
     free(depth);
     free(cands);
     return len < 0 ? -1 : count;
+}
+
+int qd_st_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes, float factor,
+                         float min_prob, int min_match, int32_t* tokens, int32_t* parents,
+                         float* probs, int* out_match) {
+    const Tree* t = (const Tree*)handle;
+    if (!t || n < 0 || max_nodes < 0 || max_nodes > 256 || (n > 0 && !ctx) || !tokens
+        || !parents || !probs || !out_match)
+        return -1;
+    return speculate_tree(t, ctx, n, NULL, 0, max_nodes, factor, min_prob, min_match, tokens,
+                          parents, probs, out_match);
+}
+
+/* qd_st_speculate_tree with ctx = sequence seq_id's last max_depth tokens, its matches read
+ * from the sequence's cached active set (no walks from the root); the same result. */
+int qd_st_speculate_tree_seq(void* handle, int seq_id, int max_nodes, float factor,
+                             float min_prob, int min_match, int32_t* tokens, int32_t* parents,
+                             float* probs, int* out_match) {
+    const Tree* t = (const Tree*)handle;
+    if (!t || seq_id < 0 || seq_id >= t->cap_seqs || max_nodes < 0 || max_nodes > 256
+        || !tokens || !parents || !probs || !out_match)
+        return -1;
+    const Seq* s = &t->seqs[seq_id];
+    if (!s->alive) return -1;
+    const int n = s->len < t->max_depth ? s->len : t->max_depth;
+    const int cached = s->active && s->active_len == s->len;
+    return speculate_tree(t, s->tokens + (s->len - n), n, cached ? s->active : NULL,
+                          cached ? s->n_active : 0, max_nodes, factor, min_prob, min_match,
+                          tokens, parents, probs, out_match);
 }

@@ -3,7 +3,11 @@
 ``suffix_tree.c`` holds the trie (its header comment states the semantics; the plain-Python
 oracle is ``tests/spec/suffix_tree_reference.py``). It is built with gcc on first use like
 the kernels (:mod:`kernels.cbuild`) and driven through ctypes: appending a token costs
-``O(max_depth)`` hash lookups, drafting ``O(max_depth^2 + max_tokens * children)``.
+``O(max_depth)`` hash lookups (each sequence keeps the nodes its last token reached),
+drafting ``O(m^2 + max_tokens * children)`` for a longest match ``m``, or without the
+``m^2`` walks for a sequence's own context (:meth:`SuffixTree.speculate_tree_of`). While
+a model step streams its weights the trie falls out of the cache, so each lookup is a
+memory access: these counts are what a proposal costs.
 Without gcc :func:`available` is False and the ``suffix`` method falls back to n-gram
 drafts (the engine says so at start-up).
 """
@@ -45,8 +49,11 @@ def _lib() -> ctypes.CDLL | None:
     lib.qd_st_speculate_tree.argtypes = [ctypes.c_void_p, ptr, ctypes.c_int, ctypes.c_int,
                                          ctypes.c_float, ctypes.c_float, ctypes.c_int, ptr,
                                          ptr, ptr, ptr]
+    lib.qd_st_speculate_tree_seq.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                             ctypes.c_float, ctypes.c_float, ctypes.c_int,
+                                             ptr, ptr, ptr, ptr]
     for fn in (lib.qd_st_append, lib.qd_st_remove, lib.qd_st_num_nodes, lib.qd_st_speculate,
-               lib.qd_st_speculate_tree):
+               lib.qd_st_speculate_tree, lib.qd_st_speculate_tree_seq):
         fn.restype = ctypes.c_int
     return lib
 
@@ -150,5 +157,22 @@ class SuffixTree:
             min_token_prob, min_match_len, *self._out)
         if n < 0:
             raise RuntimeError("qd_st_speculate_tree failed")
+        return self._tree_draft(n)
+
+    def speculate_tree_of(self, seq_id: int, max_nodes: int, max_spec_factor: float = 1.0,
+                          min_token_prob: float = 0.1, min_match_len: int = 1) -> TreeDraft:
+        """:meth:`speculate_tree` with sequence ``seq_id``'s own last ``max_depth`` tokens as
+        the context: the same draft, its matches read from the nodes its last append
+        reached instead of walked from the root (a request drafting from its own trie)."""
+        if not 0 <= max_nodes <= _MAX_TREE_NODES:
+            raise ValueError(f"max_nodes must be in [0, {_MAX_TREE_NODES}], got {max_nodes}")
+        n = self._lib.qd_st_speculate_tree_seq(
+            self._handle, seq_id, max_nodes, max_spec_factor, min_token_prob, min_match_len,
+            *self._out)
+        if n < 0:
+            raise KeyError(seq_id)
+        return self._tree_draft(n)
+
+    def _tree_draft(self, n: int) -> TreeDraft:
         return TreeDraft(self._tokens[:n].tolist(), self._parents[:n].tolist(),
                          self._probs[:n].tolist(), int(self._match[0]))

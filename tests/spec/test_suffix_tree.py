@@ -52,28 +52,42 @@ def test_matches_the_reference(seed: int, max_depth: int) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_one_token_appends_match_the_reference(seed: int) -> None:
-    """The engine's pattern: a prompt, then one token a step, several sequences interleaved
-    (each append continues from its sequence's saved active nodes), an id removed and
-    reused."""
+    """The engine's pattern: a prompt, then a token or a few a step (or none), several
+    sequences interleaved (each append continues from the nodes its sequence's last append
+    reached), an id removed and reused; drafting from a sequence's own context
+    (``speculate_tree_of``) equals drafting from that context given."""
     rng = random.Random(seed)
     tree, ref = suffix_tree.SuffixTree(24), ReferenceSuffixTree(24)
+    seqs: dict[int, list[int]] = {}
     for seq in range(3):
-        prompt = [rng.randrange(6) for _ in range(30)]
+        prompt = [rng.randrange(6) for _ in range(rng.choice([5, 30]))]
         tree.append(seq, prompt)
         ref.append(seq, prompt)
+        seqs[seq] = prompt
     for step in range(150):
         seq = rng.randrange(3)
         if step == 75:
             tree.remove(seq)
             ref.remove(seq)
-        token = [rng.randrange(6)]
-        tree.append(seq, token)
-        ref.append(seq, token)
+            seqs[seq] = []
+        tokens = [rng.randrange(6) for _ in range(rng.choice([0, 1, 1, 1, 3]))]
+        tree.append(seq, tokens)
+        ref.append(seq, tokens)
+        seqs[seq] += tokens
         assert tree.num_nodes(live=True) == ref.num_live_nodes()
         ctx = [rng.randrange(6) for _ in range(rng.randint(1, 30))]
         got = tree.speculate_tree(ctx, 16, 4.0, 0.0, 1)
         t, parents, probs, m = ref.speculate_tree(ctx, 16, 4.0, 0.0, 1)
         assert (got.tokens, got.parents, got.probs, got.match_len) == (t, parents, probs, m)
+        # a sequence's own context, its matches read from its last append's nodes
+        for other, own in seqs.items():
+            if not own:
+                continue
+            min_match = rng.choice([1, 2, 3])
+            got = tree.speculate_tree_of(other, 16, 4.0, 0.0, min_match)
+            t, parents, probs, m = ref.speculate_tree(own[-24:], 16, 4.0, 0.0, min_match)
+            assert (got.tokens, got.parents, got.probs, got.match_len) == \
+                (t, parents, probs, m), (other, step)
 
 
 def test_drafts_the_most_frequent_continuation() -> None:
@@ -108,5 +122,7 @@ def test_bad_input_is_refused() -> None:
         tree.append(0, [1, -2])
     with pytest.raises(KeyError):
         tree.remove(7)
+    with pytest.raises(KeyError):
+        tree.speculate_tree_of(7, 4)
     with pytest.raises(ValueError):
         suffix_tree.SuffixTree(0)
