@@ -27,7 +27,7 @@ from quickdraft.engine.models.llama import LlamaForCausalLM
 from quickdraft.engine.sampler import SamplingBatch, sample
 from quickdraft.engine.scheduler import ScheduledRequest, SchedulerOutput
 from quickdraft.engine.step_plan import StepPlan, plan_step
-from quickdraft.kernels import cpu_gemv
+from quickdraft.kernels import cpu_gemv, huge_pages
 from quickdraft.spec.token_tree import TokenTree
 from quickdraft.spec.tree_verification import verify_trees
 
@@ -84,8 +84,10 @@ def allocate_kv_caches(model: LlamaForCausalLM, num_blocks: int,
     model's device."""
     s = model.shape
     device = model.embed_tokens.device
-    return [torch.zeros(2, num_blocks, block_size, s.num_kv_heads, s.head_dim,
-                        dtype=model.dtype, device=device) for _ in range(s.num_layers)]
+    shape = (2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
+    if device.type == "cpu":  # on 2 MiB pages where the machine allows (kernels.huge_pages)
+        return [huge_pages.zeros(shape, model.dtype) for _ in range(s.num_layers)]
+    return [torch.zeros(*shape, dtype=model.dtype, device=device) for _ in range(s.num_layers)]
 
 
 class ModelRunner:

@@ -8,6 +8,7 @@ relevant piece (RMSNorm, RoPE, residuals) follows HF transformers so fp32 result
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -19,7 +20,7 @@ from torch import nn
 
 from quickdraft.engine.gguf_quant import LM_HEAD, Q4Weight, Q8Weight
 from quickdraft.engine.models.rope import RotaryEmbedding
-from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, cpu_q4q8, torch_ops
+from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, cpu_q4q8, huge_pages, torch_ops
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.kernels.cpu_int4 import Int4Weight
 from quickdraft.kernels.cpu_q4q8 import Q4Q8Weight, Q8Q8Weight
@@ -40,6 +41,19 @@ def _four_bit_linear(x: torch.Tensor, weight: FourBitWeight) -> torch.Tensor:
 def _q4(weight: Q4Weight | Q8Weight) -> Q4Weight:
     assert isinstance(weight, Q4Weight), "the layers' matrices are 4-bit"
     return weight
+
+
+def _onto_huge_pages(linears: list[Linear]) -> None:
+    """Move the linears' 4-bit weights into one buffer on 2 MiB pages (every decode step
+    streams them all: :mod:`kernels.huge_pages`); the same values."""
+    weights = [(lin, lin.int4) for lin in linears if lin.int4 is not None]
+    names = [[f.name for f in dataclasses.fields(w) if isinstance(getattr(w, f.name), torch.Tensor)]
+             for _, w in weights]
+    copies = iter(huge_pages.copy_to_huge_pages(
+        [getattr(w, n) for (_, w), ns in zip(weights, names, strict=True) for n in ns]))
+    for (lin, w), ns in zip(weights, names, strict=True):
+        moved: dict[str, Any] = {n: next(copies) for n in ns}
+        lin.int4 = dataclasses.replace(w, **moved)
 
 
 def _native_parts(weight: FourBitWeight) -> tuple[torch.Tensor, ...]:
@@ -385,6 +399,7 @@ class LlamaForCausalLM(nn.Module):
                                  f"{tuple(self.lm_head.weight.shape)}")
             if cpu_q4q8.supports(*head.shape):
                 self.lm_head.int4 = cpu_q4q8.pack_q8(head.q, head.d)
+        _onto_huge_pages([m for m in self.modules() if isinstance(m, Linear)])
         self._bind_native_layers()
         return count
 
