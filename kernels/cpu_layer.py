@@ -25,6 +25,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -145,20 +146,55 @@ def decoder_layer(x: torch.Tensor,  # [T, hidden] bf16: the previous sub-layer's
     """``(mlp output, residual)`` of the layer, as the Python layer returns them; None when
     the native side declines (a step the attention kernel rejects: a bad slot, query layout
     or tree mask, nothing written). ``meta.tree_mask`` goes to the kernel as it is."""
-    tensors = meta.plans.get("cpu_layer")
-    if tensors is None:  # once per step, shared by the layers
+    try:
+        out: tuple[torch.Tensor, torch.Tensor] = torch.ops.quickdraft_cpu.decoder_layer(
+            x, residual, weights, cos_sin[0], cos_sin[1], kv_cache, _meta_tensors(meta), heads,
+            kv_heads, eps, scale)
+    except (RuntimeError, ValueError):
+        return None
+    return out
+
+
+def _meta_tensors(meta: AttentionMetadata) -> list[torch.Tensor]:
+    """The ops' metadata list, made once per step and shared by the layers."""
+    tensors: list[torch.Tensor] | None = meta.plans.get("cpu_layer")
+    if tensors is None:
         # the op's 5th metadata tensor: int64 [T] ancestor bits, or empty (every row causal)
         mask = _NO_MASK if meta.tree_mask is None else meta.tree_mask
         tensors = [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                    mask]
         meta.plans["cpu_layer"] = tensors
+    return tensors
+
+
+def layer_stack(weights: list[list[torch.Tensor]],  # per layer, from layer_weights
+                kv_caches: list[torch.Tensor],  # per layer
+                heads: int, kv_heads: int, eps: float, scale: float) -> Any:
+    """A model's layers bound once for :func:`run_stack` (a ``LayerStack`` of the op's
+    library: it holds the weights and caches). Every layer the same kind (weights per
+    layer) and the same heads, eps and scale. Needs :func:`available`."""
+    if not weights or len(weights) != len(kv_caches) \
+            or len({len(w) for w in weights}) != 1:
+        raise ValueError("one weight list of the same length for each KV cache")
+    return torch.classes.quickdraft_cpu.LayerStack(
+        [t for layer in weights for t in layer], len(weights[0]), kv_caches, heads, kv_heads,
+        eps, scale)
+
+
+def run_stack(stack: Any, x: torch.Tensor,  # [T, hidden] bf16: the embeddings
+              cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+              aux_after: list[int],  # ascending layer counts in 1..L
+              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+    """Every layer of ``stack`` in one call: ``(x, residual, aux)`` as a loop of
+    :func:`decoder_layer` calls gives them (bit-identical), ``aux[i]`` the residual stream
+    ``x + residual`` after ``aux_after[i]`` layers; None when the step is declined (the
+    attention kernel rejects it at the first layer, nothing written)."""
     try:
-        out: tuple[torch.Tensor, torch.Tensor] = torch.ops.quickdraft_cpu.decoder_layer(
-            x, residual, weights, cos_sin[0], cos_sin[1], kv_cache, tensors, heads, kv_heads,
-            eps, scale)
+        out: list[torch.Tensor] = stack.forward(x, cos_sin[0], cos_sin[1], _meta_tensors(meta),
+                                                aux_after)
     except (RuntimeError, ValueError):
         return None
-    return out
+    return out[0], out[1], out[2:]
 
 
 def head_layer_weights(input_norm: torch.Tensor, hidden_norm: torch.Tensor,

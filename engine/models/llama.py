@@ -293,6 +293,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, shape.head_dim, max_positions, dtype)
         self.ops = TORCH_OPS
         self.native_layers = True  # allow kernels.cpu_layer where it applies
+        self._stack: tuple[list[torch.Tensor], Any] | None = None  # see _native_stack
 
     def forward(
         self,
@@ -321,10 +322,17 @@ class LlamaForCausalLM(nn.Module):
         aux: dict[int, torch.Tensor] = {}
         if 0 in aux_layers:
             aux[0] = x
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x, residual = layer.forward(x, residual, cos_sin, kv_cache, meta, self.ops)
-            if index + 1 in aux_layers:
-                aux[index + 1] = x + residual if residual is not None else x
+        stack = self._native_stack(kv_caches)
+        after = sorted({i for i in aux_layers if i > 0})
+        out = None if stack is None else cpu_layer.run_stack(stack, x, cos_sin, meta, after)
+        if out is not None:  # every layer in one native call
+            x, residual, streams = out
+            aux.update(zip(after, streams, strict=True))
+        else:
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                x, residual = layer.forward(x, residual, cos_sin, kv_cache, meta, self.ops)
+                if index + 1 in aux_layers:
+                    aux[index + 1] = x + residual if residual is not None else x
         hidden = self.norm.forward(x, residual, self.ops)[0]
         if not aux_layers:
             return hidden, None
@@ -362,6 +370,30 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.bind_native(enabled)
+        self._stack = None  # rebuilt from the layers' new weight lists on the next step
+
+    def _native_stack(self, kv_caches: list[torch.Tensor]) -> Any:
+        """Every layer bound for one native call (:func:`kernels.cpu_layer.run_stack`) when
+        they all run natively; made once for ``kv_caches`` (the runner's list), None
+        otherwise."""
+        if self._stack is not None and self._stack[0] is kv_caches:
+            return self._stack[1]
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        if not layers or len(layers) != len(kv_caches) \
+                or any(layer.native is None for layer in layers):
+            return None
+        first = layers[0]
+        if any((layer.self_attn.heads, layer.self_attn.kv_heads, layer.self_attn.scale,
+                layer.input_layernorm.eps) != (first.self_attn.heads, first.self_attn.kv_heads,
+                                               first.self_attn.scale, first.input_layernorm.eps)
+               for layer in layers):
+            return None
+        stack = cpu_layer.layer_stack([layer.native for layer in layers if layer.native],
+                                      kv_caches, first.self_attn.heads,
+                                      first.self_attn.kv_heads, first.input_layernorm.eps,
+                                      first.self_attn.scale)
+        self._stack = (kv_caches, stack)
+        return stack
 
     def attach_int4_weights(self, weights: Mapping[str, Q4Weight | Q8Weight],
                             kernel: str = "torch") -> int:

@@ -226,3 +226,59 @@ def test_a_malformed_tree_mask_declines_and_writes_nothing() -> None:
                                           attn.kv_heads, layer.input_layernorm.eps,
                                           attn.scale)
         assert out is None and not kv.any()
+
+
+@pytest.mark.parametrize("kernel", ["torch", "q8"])
+def test_all_layers_in_one_call_equal_layer_by_layer(kernel: str, monkeypatch) -> None:
+    """The model's layers bound once and run in one call (cpu_layer.run_stack, what the model
+    uses when every layer is native) give the bits of the layer-by-layer native calls and of
+    the Python layers: hidden states, KV caches and the residual-stream features a draft
+    head reads (aux layers, the embeddings' 0 included)."""
+    if kernel == "q8" and not cpu_q4q8.available():
+        pytest.skip("the q4q8 kernel is not built here")
+    model = _model(False, kernel)
+    aux_layers = (0, 1, 3)
+
+    def run(native: bool, stack: bool) -> list[torch.Tensor]:
+        model.use_native_layers(native)
+        assert (model._native_stack([torch.empty(0)] * 3) is not None) == native
+        if not stack:
+            monkeypatch.setattr(model, "_native_stack", lambda kv: None)
+        caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.bfloat16)
+                  for _ in range(3)]
+        gen, outs = torch.Generator().manual_seed(2), []
+        with torch.inference_mode():
+            for step in STEPS:
+                qsl, lens, tables, positions = [0], [], [], []
+                for seq, n, start in step:
+                    qsl.append(qsl[-1] + n)
+                    lens.append(start + n)
+                    tables.append(TABLES[seq])
+                    positions += range(start, start + n)
+                meta = build_metadata(qsl, lens, tables, BLOCK)
+                ids = torch.randint(0, 96, (qsl[-1],), generator=gen)
+                hidden, aux = model.forward_with_aux(ids, torch.tensor(positions), caches, meta,
+                                                     aux_layers)
+                assert aux is not None
+                outs += [hidden, aux]
+        monkeypatch.undo()
+        return [*outs, *caches]
+
+    stacked = run(native=True, stack=True)
+    for other in (run(native=True, stack=False), run(native=False, stack=False)):
+        for g, w in zip(stacked, other, strict=True):
+            assert torch.equal(g, w)
+
+
+def test_a_rejected_step_declines_the_stack_and_writes_nothing() -> None:
+    model = _model(False)
+    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
+    stack = model._native_stack(caches)
+    assert stack is not None and model._native_stack(caches) is stack  # made once
+    meta = build_metadata([0, 2], [2], [[NUM_BLOCKS + 3]], BLOCK)  # block id out of range
+    with torch.inference_mode():
+        out = cpu_layer.run_stack(stack, torch.randn(2, 64).bfloat16(),
+                                  model.rotary.cos_sin(torch.arange(2)), meta, [1])
+    assert out is None and not any(c.any() for c in caches)
+    with pytest.raises(ValueError):
+        cpu_layer.layer_stack([], caches, 4, 2, 1e-5, 0.25)
