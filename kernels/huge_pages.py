@@ -1,20 +1,20 @@
 """Weights on 2 MiB pages: one buffer the kernel is asked to back with transparent huge pages.
 
 A CPU decode step streams every 4-bit weight from DRAM (96 MB for SmolLM2-135M). On 4 KiB
-pages that is ~24,000 pages a step, far more than the TLB holds, so each page costs a page
-walk whose table entries the stream itself has evicted from the caches. With the machine's
+pages that is ~24,000 pages a step, far more than the TLB holds, so each page can cost a
+page walk (whose table entries the stream itself evicts from the caches). With the machine's
 transparent huge pages in ``madvise`` mode (the usual default) memory is on 4 KiB pages
 unless a region asks otherwise; :func:`copy_to_huge_pages` copies tensors into one anonymous
 mapping that does (``madvise(MADV_HUGEPAGE)`` before the first touch), 64-byte aligned each.
 
 Measured on the 2-core AVX2-only EPYC (Zen 3), SmolLM2's 120 layer matrices and Q8_0 head
-through the q4q8 kernel, alternating in one process (``/proc/self/smaps_rollup`` showed
-90 MiB of AnonHugePages): 1 row 4.26 -> 3.91 ms (0.92x), 2 rows 0.95x, 4 rows 0.98x,
-8 rows 0.98x (docs/kernels.md).
+through the q4q8 kernel, the two placements alternating in one process: 0.913x the time at
+1 row, 0.949x at 2, 0.975x at 4, 0.991x at 8; whole decode steps ~0.986x
+(docs/kernels.md).
 
 Where the mapping or the advice is not available (not Linux, THP ``never``, a kernel
 without it) the tensors come back unchanged: the same values either way, only where they
-live differs. Import-light (no torch at import time beyond what callers already loaded).
+live differs. Needs only the standard library and torch.
 """
 
 from __future__ import annotations

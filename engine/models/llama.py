@@ -322,8 +322,9 @@ class LlamaForCausalLM(nn.Module):
         aux: dict[int, torch.Tensor] = {}
         if 0 in aux_layers:
             aux[0] = x
-        stack = self._native_stack(kv_caches)
         after = sorted({i for i in aux_layers if i > 0})
+        in_model = not after or after[-1] <= len(self.layers)  # (else: the loop's KeyError)
+        stack = self._native_stack(kv_caches) if in_model else None
         out = None if stack is None else cpu_layer.run_stack(stack, x, cos_sin, meta, after)
         if out is not None:  # every layer in one native call
             x, residual, streams = out

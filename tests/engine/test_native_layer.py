@@ -282,3 +282,15 @@ def test_a_rejected_step_declines_the_stack_and_writes_nothing() -> None:
     assert out is None and not any(c.any() for c in caches)
     with pytest.raises(ValueError):
         cpu_layer.layer_stack([], caches, 4, 2, 1e-5, 0.25)
+
+
+def test_the_stack_refuses_aux_layers_outside_the_model_before_running() -> None:
+    model = _model(False)
+    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
+    stack = model._native_stack(caches)
+    meta = build_metadata([0, 2], [2], [TABLES["a"]], BLOCK)
+    with torch.inference_mode():
+        for after in ([4], [2, 1], [0]):
+            out = cpu_layer.run_stack(stack, torch.randn(2, 64).bfloat16(),
+                                      model.rotary.cos_sin(torch.arange(2)), meta, after)
+            assert out is None and not any(c.any() for c in caches)
