@@ -19,6 +19,7 @@ live differs. Needs only the standard library and torch.
 
 from __future__ import annotations
 
+import math
 import mmap
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,9 +67,7 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` (CPU) on huge pages where it can be: a KV cache
     pool, read block by block every step. Untouched until written, so a large pool costs
     no time or resident memory up front."""
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     raw = _advised_buffer(numel * dtype.itemsize) if numel else None
     if raw is None:
         return torch.zeros(*shape, dtype=dtype)

@@ -379,20 +379,15 @@ class LlamaForCausalLM(nn.Module):
         otherwise."""
         if self._stack is not None and self._stack[0] is kv_caches:
             return self._stack[1]
-        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
-        if not layers or len(layers) != len(kv_caches) \
-                or any(layer.native is None for layer in layers):
+        weights = [layer.native for layer in self.layers if isinstance(layer, DecoderLayer)]
+        if not weights or len(weights) != len(kv_caches) or None in weights:
             return None
-        first = layers[0]
-        if any((layer.self_attn.heads, layer.self_attn.kv_heads, layer.self_attn.scale,
-                layer.input_layernorm.eps) != (first.self_attn.heads, first.self_attn.kv_heads,
-                                               first.self_attn.scale, first.input_layernorm.eps)
-               for layer in layers):
-            return None
-        stack = cpu_layer.layer_stack([layer.native for layer in layers if layer.native],
-                                      kv_caches, first.self_attn.heads,
-                                      first.self_attn.kv_heads, first.input_layernorm.eps,
-                                      first.self_attn.scale)
+        first = self.layers[0]  # (every layer has the model's heads, scale and eps)
+        assert isinstance(first, DecoderLayer)
+        attn = first.self_attn
+        stack = cpu_layer.layer_stack([w for w in weights if w is not None], kv_caches,
+                                      attn.heads, attn.kv_heads, first.input_layernorm.eps,
+                                      attn.scale)
         self._stack = (kv_caches, stack)
         return stack
 

@@ -32,11 +32,12 @@ SUITES = ["tests/kernels/test_cpu_fused.py", "tests/kernels/test_cpu_gemv.py",
 # Tree speculation end to end too: tree rows through the native int4 layer and the masked C
 # kernel must stay token for token on the AVX2 int4 matmul; the shipped draft head's drafts
 # (fused small ops, 4-bit matrices) likewise; and the engine measuring and observing its
-# step costs (the speculation policy's curve) on that path, and the lookup back-off.
+# step costs (the speculation policy's curve) on that path, and the lookup back-off. The
+# native layers (one call a layer, and every layer in one call) on ATen's AVX2 int4 kernel.
 AVX2_ONLY = ["tests/engine/test_batch_invariance.py", "tests/engine/test_int4_weights.py",
              "tests/spec/test_observed_cost.py", "tests/spec/test_lookup_backoff.py",
              "tests/spec/test_tree_engine.py", "tests/spec/test_head_engine.py",
-             "tests/spec/test_shipped_head.py"]
+             "tests/spec/test_shipped_head.py", "tests/engine/test_native_layer.py"]
 _ORDER = ["default", "avx2", "avx512"]
 
 
