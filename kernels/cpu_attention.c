@@ -443,8 +443,10 @@ int qd_ragged_attention_bf16(const void* q, const void* kv, const int32_t* block
 
 /* The KV write and the attention of one layer in one call. qkv: [num_tokens][ldq] bf16 rows
  * holding q (heads * d), then k and v (kv_heads * d each), RoPE already applied; token t's k
- * and v are stored at cache slot slots[t] (block slot / block_size, offset slot % block_size),
- * then out = qd_ragged_attention_bf16 of the q columns. Every slot, the query layout and the
+ * and v are stored at cache slot slots[t] (block slot / block_size, offset slot % block_size;
+ * -1: not written, a row whose K/V the cache holds already, as attention_metadata.py's
+ * slot_mapping says), then out = qd_ragged_attention_bf16 of the q columns. Every slot, the
+ * query layout and the
  * tree masks are checked before anything is written: a bad one returns its code with the
  * cache untouched (block ids are checked by the attention, after the write). */
 int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int32_t* slots, void* kv,
@@ -459,7 +461,7 @@ int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int32_t* slots, v
         return QD_EARG;
     const long long num_slots = (long long)num_blocks * block_size;
     for (int t = 0; t < num_tokens; ++t)
-        if (slots[t] < 0 || slots[t] >= num_slots) return QD_EARG;
+        if (slots[t] < -1 || slots[t] >= num_slots) return QD_EARG;
     Args a;
     long long total;
     const int rc = prepare(&a, &total, qkv, (size_t)ldq, kv, block_tables, seq_lens,
@@ -469,6 +471,7 @@ int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int32_t* slots, v
     const size_t row = (size_t)kv_heads * d, kv_half = (size_t)num_slots * row;
     uint16_t* kc = (uint16_t*)kv;
     for (int t = 0; t < num_tokens; ++t) {
+        if (slots[t] < 0) continue;
         const uint16_t* src = (const uint16_t*)qkv + (size_t)t * ldq + (size_t)heads * d;
         memcpy(kc + (size_t)slots[t] * row, src, row * sizeof(uint16_t));
         memcpy(kc + kv_half + (size_t)slots[t] * row, src + row, row * sizeof(uint16_t));

@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -112,25 +113,32 @@ at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
     return y;
 }
 
-// RoPE in place on the q and k columns of qkv [T, (H + 2 KVH) * D], then the KV write and
-// the attention over the paged cache: returns the attention output [T, H * D].
-at::Tensor rope_and_attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                           const at::Tensor& kv_cache, at::TensorList meta, int64_t heads,
-                           int64_t kv_heads, double scale, int threads, int small_threads) {
+// RoPE in place on the q and k columns of qkv [T, (H + 2 KVH) * D] (cos, sin: [T, D]).
+void rope_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+               int64_t kv_heads, int small_threads) {
     const int64_t rows = qkv.size(0), width = qkv.size(1), d = width / (heads + 2 * kv_heads);
     check(d * (heads + 2 * kv_heads) == width && cos.numel() == rows * d
               && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous()
               && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
           "qkv width or rope tables do not fit the heads");
-    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
-              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
-          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
     int rc = rope_fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), static_cast<int>(rows),
                      static_cast<int>(heads + kv_heads), static_cast<int>(d), width, d,
                      small_threads);
     check(rc == 0, "rope kernel failed");
+}
 
-    const at::Tensor& slots = meta[0];
+// The KV write (at ``slots``: the metadata's slot_mapping, or a copy of it) and the attention
+// over the paged cache for every row of the rotated qkv [T, (H + 2 KVH) * D]: returns the
+// attention output [T, H * D]. The kernel checks the whole step before writing anything.
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& slots, const at::Tensor& kv_cache,
+                  at::TensorList meta, int64_t heads, int64_t kv_heads, double scale,
+                  int threads) {
+    const int64_t rows = qkv.size(0), width = qkv.size(1), d = width / (heads + 2 * kv_heads);
+    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
+              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
+          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
+    check(slots.numel() == rows && slots.scalar_type() == at::kInt && slots.is_contiguous(),
+          "slot_mapping must be an int32 [rows] vector");
     const at::Tensor& tables = meta[1];
     const at::Tensor& lens = meta[2];
     const at::Tensor& qsl = meta[3];
@@ -142,16 +150,25 @@ at::Tensor rope_and_attend(at::Tensor& qkv, const at::Tensor& cos, const at::Ten
         tree_mask = meta[4].data_ptr<int64_t>();
     }
     at::Tensor attn = bf16_empty(rows, heads * d);
-    rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
-                   kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                   qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
-                   static_cast<int>(lens.size(0)), static_cast<int>(rows),
-                   static_cast<int>(heads), static_cast<int>(kv_heads),
-                   static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
-                   static_cast<int>(kv_cache.size(1)), static_cast<int>(tables.size(1)),
-                   static_cast<float>(scale), rows * kv_heads >= 2 ? threads : 1);  // as cpu_attention.py
+    int rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
+                       kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                       qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
+                       static_cast<int>(lens.size(0)), static_cast<int>(rows),
+                       static_cast<int>(heads), static_cast<int>(kv_heads),
+                       static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
+                       static_cast<int>(kv_cache.size(1)), static_cast<int>(tables.size(1)),
+                       static_cast<float>(scale),
+                       rows * kv_heads >= 2 ? threads : 1);  // as cpu_attention.py
     check(rc == 0, "attention kernel rejected the step (bad slot, block id, layout or mask)");
     return attn;
+}
+
+// RoPE, then the KV write and the attention: the attention output [T, H * D].
+at::Tensor rope_and_attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& kv_cache, at::TensorList meta, int64_t heads,
+                           int64_t kv_heads, double scale, int threads, int small_threads) {
+    rope_rows(qkv, cos, sin, heads, kv_heads, small_threads);
+    return attend(qkv, meta[0], kv_cache, meta, heads, kv_heads, scale, threads);
 }
 
 // The MLP: mm(silu_mul(mm(h, gate_up_w)), down_w).
@@ -218,10 +235,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 //
 // weights: in_norm, hidden_norm, qkv, o, post_norm, gate_up, down (each matrix 2 tensors for
 // ATen's int4 kernel or 3 for q4q8: 11 or 15 in all); meta as decoder_layer's.
+// rows (int64 [r], increasing): emb, hidden, cos and sin hold only these rows of the step
+// that meta describes (a drafting round's new nodes among every node fed so far); the other
+// rows are neither computed nor written (their K/V are cached already), and the result is
+// [r, hidden], each row the same bits as when every row is computed. None: every row.
 at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::TensorList weights,
                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
                       at::TensorList meta, int64_t heads, int64_t kv_heads, double eps,
-                      double scale) {
+                      double scale, const std::optional<at::Tensor>& rows_opt) {
     check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
     const size_t nw = weights.size();
     check(nw == 11 || nw == 15, "expected 11 or 15 head weights");
@@ -246,9 +267,48 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
 
     auto [e, e_unused] = add_rms_norm(emb, none, weights[0], eps, small_threads);
     auto [g, g_unused] = add_rms_norm(hidden, none, weights[1], eps, small_threads);
-    at::Tensor qkv = mm(at::cat({e, g}, 1), qkv_w, threads);  // [T, (H + 2 KVH) * D]
-    at::Tensor attn = rope_and_attend(qkv, cos, sin, kv_cache, meta, heads, kv_heads, scale,
-                                      threads, small_threads);
+    at::Tensor qkv = mm(at::cat({e, g}, 1), qkv_w, threads);  // [r, (H + 2 KVH) * D]
+    rope_rows(qkv, cos, sin, heads, kv_heads, small_threads);
+    at::Tensor attn;
+    if (!rows_opt.has_value()) {
+        check(meta[0].numel() == rows, "the metadata's rows differ from emb's");
+        attn = attend(qkv, meta[0], kv_cache, meta, heads, kv_heads, scale, threads);
+    } else {
+        // only the listed rows of the step: the others (earlier rounds' nodes, their K/V
+        // already cached) get a zero query and write nothing; each computed row's result is
+        // the same bits as in a step computing every row (every kernel here is row by row)
+        const at::Tensor& idx = *rows_opt;
+        const at::Tensor& slots = meta[0];
+        const int64_t total = slots.numel();
+        check(idx.dim() == 1 && idx.numel() == rows && idx.scalar_type() == at::kLong
+                  && idx.is_contiguous() && slots.scalar_type() == at::kInt
+                  && slots.is_contiguous(),
+              "rows must be an int64 [r] vector, one per row of emb");
+        const int64_t* ix = idx.data_ptr<int64_t>();
+        for (int64_t i = 0; i < rows; i++)
+            check(ix[i] >= (i ? ix[i - 1] + 1 : 0) && ix[i] < total,
+                  "rows must be increasing indices of the step's rows");
+        const int64_t width = qkv.size(1);
+        at::Tensor full = bf16_empty(total, width);  // [T, width]: zero but the listed rows
+        std::memset(full.data_ptr(), 0, static_cast<size_t>(total * width) * 2);
+        at::Tensor written = at::empty({total}, slots.options());  // their slots, else -1
+        const int32_t* from = slots.data_ptr<int32_t>();
+        int32_t* to = written.data_ptr<int32_t>();
+        for (int64_t t = 0; t < total; t++) to[t] = -1;
+        const auto* src = static_cast<const uint16_t*>(qkv.data_ptr());
+        auto* dst = static_cast<uint16_t*>(full.data_ptr());
+        for (int64_t i = 0; i < rows; i++) {
+            std::memcpy(dst + ix[i] * width, src + i * width, static_cast<size_t>(width) * 2);
+            to[ix[i]] = from[ix[i]];
+        }
+        at::Tensor all = attend(full, written, kv_cache, meta, heads, kv_heads, scale, threads);
+        const int64_t hd = all.size(1);
+        attn = bf16_empty(rows, hd);  // [r, H * D]
+        const auto* a_src = static_cast<const uint16_t*>(all.data_ptr());
+        auto* a_dst = static_cast<uint16_t*>(attn.data_ptr());
+        for (int64_t i = 0; i < rows; i++)
+            std::memcpy(a_dst + i * hd, a_src + ix[i] * hd, static_cast<size_t>(hd) * 2);
+    }
     at::Tensor a = at::add(hidden, mm(attn, o_w, threads));
     auto [h2, h2_unused] = add_rms_norm(a, none, post_norm, eps, small_threads);
     return at::add(a, mlp(h2, gate_up_w, down_w, threads, small_threads));
@@ -321,7 +381,7 @@ TORCH_LIBRARY(quickdraft_cpu, m) {
           "float eps, float scale) -> (Tensor, Tensor)");
     m.def("head_layer(Tensor emb, Tensor hidden, Tensor[] weights, Tensor cos, Tensor sin, "
           "Tensor(a!) kv_cache, Tensor[] meta, int heads, int kv_heads, float eps, "
-          "float scale) -> Tensor");
+          "float scale, Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quickdraft_cpu, CompositeExplicitAutograd, m) {

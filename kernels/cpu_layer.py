@@ -214,16 +214,20 @@ def head_layer(emb: torch.Tensor,  # [T, hidden] bf16: the embeddings of the row
                cos_sin: tuple[torch.Tensor, torch.Tensor],  # [T, head_dim] each
                kv_cache: torch.Tensor,  # the head's [2, blocks, block_size, kv_heads, d]
                meta: AttentionMetadata, heads: int, kv_heads: int, eps: float,
-               scale: float) -> torch.Tensor | None:
+               scale: float, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """The draft head's layer output ``[T, hidden]`` (``spec/draft_head.py``: the same
     kernels in the same order as its Python form), its K/V written at ``meta``'s slots;
-    None when the native side declines (the attention kernel rejects the step)."""
+    None when the native side declines (the attention kernel rejects the step).
+    ``rows`` (int64 ``[r]``, increasing; None: all): ``emb``, ``hidden`` and ``cos_sin``
+    hold only these rows of ``meta``'s step, the only ones computed and written (the
+    others' K/V are cached already): the output is ``[r, hidden]``, each row the same bits
+    as in the whole step."""
     mask = _NO_MASK if meta.tree_mask is None else meta.tree_mask
     tensors = [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, mask]
     try:
         out: torch.Tensor = torch.ops.quickdraft_cpu.head_layer(
             emb, hidden, weights, cos_sin[0], cos_sin[1], kv_cache, tensors, heads, kv_heads,
-            eps, scale)
+            eps, scale, rows)
     except (RuntimeError, ValueError):
         return None
     return out

@@ -22,12 +22,13 @@ pending, target features known for positions ``< n - 1``):
    reserved ones, as in the target's tree verification); those positions are ``>= d``, so
    nothing there is trusted and the next catch-up overwrites them. A round is one paged
    tree-attention call: every node fed so far is a tree row over the request's cached
-   positions ``[0, base]``, with its path as its ancestor mask. On q4q8 weights (bf16 on
-   the CPU) the whole layer is one native call (:func:`kernels.cpu_layer.head_layer`)
-   that recomputes every fed node (earlier rounds' K/V rewritten with the same values;
-   rounds of at most ``NATIVE_ROUND_MAX_ROWS`` rows); elsewhere only the new nodes are
-   computed and earlier rounds' rows get a zero query. Either way only the new nodes'
-   outputs are kept.
+   positions ``[0, base]``, with its path as its ancestor mask. Only the new nodes are
+   computed: earlier rounds' rows get a zero query and write nothing (their K/V are
+   cached). On q4q8 weights (bf16 on the CPU) the whole layer is one native call
+   (:func:`kernels.cpu_layer.head_layer` with the new nodes' ``rows``). (It used to
+   recompute every fed node there, rewriting earlier rounds' K/V with the same values, in
+   rounds of at most 8 rows: on the 2-core AVX2-only Zen 3 a head layer costs ~50 us a row
+   more, and proposals of 4 and 8 nodes took 0.91x and 0.90x the time without it.)
 3. fill: the best remaining candidates complete the tree to ``k`` nodes (leaves).
 
 The search itself (candidates, rounds, the tree) is :class:`spec.head_search.HeadSearch`.
@@ -59,10 +60,6 @@ from quickdraft.spec.token_tree import TokenTree
 __all__ = ["DraftHeadRunner", "HeadInput", "HeadLinear", "HeadOutput"]
 
 HEAD_LINEARS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
-# A native round recomputes every node fed so far (the new ones are what it is for): worth it
-# while the q4q8 kernel's cost stays flat in rows (to ~8: 20 % off a depth-4 proposal at
-# batch 1; a batch of 8 requests' trees ran 7 % slower natively, 2-core AVX512-BF16 EPYC).
-NATIVE_ROUND_MAX_ROWS = 8
 INT4_MAX_ROWS = 4  # torch's int4 CPU kernel costs ~a GEMV per row: dense beyond this
 # (the q4q8 kernel unpacks each 4-bit block once for 8 rows: it takes every row count)
 
@@ -187,26 +184,28 @@ class DraftHeadRunner:
         k = self.rope(k.reshape(-1, self.kv_heads, self.head_dim), cos, sin)
         return q, k, v.reshape(-1, self.kv_heads, self.head_dim)
 
-    def _native_layer(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
-                      meta: AttentionMetadata) -> torch.Tensor | None:
-        """The layer over every row of ``plan`` in one native call, K/V written at the
-        rows' slots: ``hidden [R, h]`` -> ``o [R, h]``; None where it does not run."""
+    def _native_layer(self, hidden: torch.Tensor, token_ids: list[int], positions: list[int],
+                      meta: AttentionMetadata, rows: torch.Tensor | None = None,
+                      ) -> torch.Tensor | None:
+        """The layer in one native call over the rows of ``meta``'s step (``rows``: only
+        those, their K/V written at their slots): ``hidden [r, h]`` with their tokens and
+        RoPE positions -> ``o [r, h]``; None where it does not run."""
         if self.native is None:
             return None
         device = self.embed.device
         ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-        emb = torch.nn.functional.embedding(ids, self.embed)  # [R, h]
-        cos_sin = self.rotary.cos_sin(torch.tensor(plan.positions, device=device))
+        emb = self.embed.index_select(0, ids)  # [r, h]
+        cos_sin = self.rotary.cos_sin(torch.tensor(positions, device=device))
         return cpu_layer.head_layer(emb, hidden.contiguous(), self.native, cos_sin,
                                     self.kv_cache, meta, self.heads, self.kv_heads,
-                                    self.head.config.rms_norm_eps, self.scale)
+                                    self.head.config.rms_norm_eps, self.scale, rows)
 
     def _forward(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
                  ) -> torch.Tensor:
         """One head layer over a flat batch of verified pairs, writing their K/V into the
         paged cache: ``hidden [R, h]`` -> outputs ``o [R, h]``."""
         meta = plan.attention_metadata(self.block_size, self.embed.device)
-        out = self._native_layer(hidden, token_ids, plan, meta)
+        out = self._native_layer(hidden, token_ids, plan.positions, meta)
         if out is not None:
             return out
         q, k, v = self._qkv(hidden, token_ids, plan.positions)
@@ -237,17 +236,16 @@ class DraftHeadRunner:
         return StepPlan(input_ids, positions, query_start_loc, seq_lens,
                         [s.inp.block_table for s in active], [], [], tree_mask)
 
-    def _round_native(self, active: list[HeadSearch], plan: StepPlan, meta: AttentionMetadata,
-                      fed: torch.Tensor) -> torch.Tensor | None:
-        """A round's new nodes' outputs ``[r, h]`` (flat rows ``fed``) from one native call
-        over every fed node, earlier rounds' recomputed and their K/V rewritten with the
-        same values (a few more rows cost the q4q8 kernel little); None where it does not
-        run."""
-        if self.native is None or plan.num_tokens > NATIVE_ROUND_MAX_ROWS:
+    def _round_native(self, rows: list[tuple[HeadSearch, int]], plan: StepPlan,
+                      meta: AttentionMetadata, fed: torch.Tensor) -> torch.Tensor | None:
+        """A round's new nodes' outputs ``[r, h]`` (``rows``: (search, node); flat rows
+        ``fed`` of ``plan``, which holds every node fed so far) from one native call that
+        computes and writes only them; None where it does not run."""
+        if self.native is None:
             return None
-        hidden = torch.stack([s.parent_out(n) for s in active for n in range(s.num_fed)])
-        out = self._native_layer(hidden, plan.input_ids, plan, meta)
-        return None if out is None else out[fed]
+        hidden = torch.stack([s.parent_out(n) for s, n in rows])  # [r, h]
+        return self._native_layer(hidden, [s.tokens[n] for s, n in rows],
+                                  [s.base + s.depth[n] for s, n in rows], meta, fed)
 
     def _round_python(self, rows: list[tuple[HeadSearch, int]], plan: StepPlan,
                       meta: AttentionMetadata, fed: torch.Tensor) -> torch.Tensor:
@@ -297,7 +295,7 @@ class DraftHeadRunner:
             meta = plan.attention_metadata(self.block_size, device)
             fed = torch.tensor([plan.query_start_loc[a] + node for a, s in enumerate(active)
                                 for node in s.pending], device=device)  # [r] flat rows
-            native = self._round_native(active, plan, meta, fed)
+            native = self._round_native(rows, plan, meta, fed)
             out = native if native is not None else self._round_python(rows, plan, meta, fed)
             for i, (s, node) in enumerate(rows):
                 s.outputs[node] = out[i]

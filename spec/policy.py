@@ -114,11 +114,14 @@ class ObservedStepCost:
         self._last_seen: dict[int, int] = {}
         self._step = 0
         self._ratios: tuple[tuple[int, ...], tuple[float, ...]] | None = None  # cache
+        self._costs: dict[int, float] = {}  # cost(n) since the last observation (a plan
+        # prices the same few sizes many times)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A model step over ``num_tokens`` query tokens took ``seconds``."""
         self._step += 1
         self._ratios = None
+        self._costs.clear()
         if not 1 <= num_tokens <= self.max_tokens or not seconds > 0.0:
             return
         ratio = seconds / self.base(num_tokens)
@@ -153,6 +156,12 @@ class ObservedStepCost:
         return self._ratios
 
     def __call__(self, n: int) -> float:
+        cost = self._costs.get(n)
+        if cost is None:
+            cost = self._costs[n] = self._cost(n)
+        return cost
+
+    def _cost(self, n: int) -> float:
         sizes, ratios = self.ratios()
         if not sizes:
             return self.base(n)

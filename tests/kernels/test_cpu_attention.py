@@ -393,6 +393,30 @@ def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
     assert cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, untouched, slots,
                                              block_tables, lens, bad_qsl, 0.125) is None
     assert torch.equal(untouched, kv)
+    bad[-1] = -2  # -1 is the only negative slot
+    assert cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, untouched, bad,
+                                             block_tables, lens, qsl_t, 0.125) is None
+    assert torch.equal(untouched, kv)
+    # slot -1: that row's K/V are not written (the cache's stay and are attended to)
+    skip = slots.clone()
+    kept = [0, 3, 41, 43, tokens - 1]  # rows of the prefill, the verification, the decode
+    skip[kept] = -1
+    written = skip >= 0
+    kv_ref = kv.clone()
+    torch_attention.write_kv(k[written].reshape(-1, kv_heads, dim),
+                             v[written].reshape(-1, kv_heads, dim), kv_ref, slots[written])
+    want = cpu_attention.ragged_attention(q.reshape(-1, heads, dim).contiguous(), kv_ref,
+                                          block_tables, lens, qsl_t, 0.125)
+    kv_got = kv.clone()
+    got = cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, kv_got, skip, block_tables,
+                                            lens, qsl_t, 0.125)
+    assert got is not None
+    assert torch.equal(kv_got, kv_ref)  # the skipped rows' slots hold the cache's old K/V
+    cache = kv_got.flatten(1, 2)  # [2, slots, kv_heads, dim]
+    assert torch.equal(cache[:, slots[kept].long()], kv.flatten(1, 2)[:, slots[kept].long()])
+    assert not torch.equal(cache[:, slots[kept].long()].flatten(1),
+                           torch.stack([k[kept], v[kept]]))
+    assert torch.equal(got, want)
 
 
 @needs_kernel
