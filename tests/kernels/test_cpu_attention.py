@@ -354,8 +354,9 @@ def test_ragged_bad_layout_is_rejected_by_the_kernel(bad: str) -> None:
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
     """The one-call KV write + attention over a qkv matrix (prefill, verification and decode
-    rows mixed) is bit-equal to write_kv then ragged_attention, and a bad slot or query
-    layout declines the call with the cache untouched."""
+    rows mixed) is bit-equal to write_kv then ragged_attention; a row with slot -1 writes
+    nothing (the cache's K/V there are attended to); a bad slot or query layout declines the
+    call with the cache untouched."""
     heads, kv_heads, dim = 9, 3, 64
     seq_lens = [40, 70, 9]
     q_lens = [40, 5, 1]  # a fresh prefill, a verification of 4 drafts, a decode
@@ -370,15 +371,24 @@ def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
                           for p in range(seq_lens[s] - q_lens[s], seq_lens[s])],
                          dtype=torch.int32)
     qsl_t = torch.tensor(qsl, dtype=torch.int32)
-    kv_ref = kv.clone()
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
-    torch_attention.write_kv(k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim),
-                                 kv_ref, slots)
-    want = cpu_attention.ragged_attention(q.reshape(-1, heads, dim).contiguous(), kv_ref,
-                                          block_tables, lens, qsl_t, 0.125)
-    kv_got = kv.clone()
-    got = cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, kv_got, slots, block_tables,
-                                            lens, qsl_t, 0.125)
+
+    def reference(written: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache after write_kv of the ``written`` rows, and ragged_attention over it."""
+        ref = kv.clone()
+        torch_attention.write_kv(k[written].reshape(-1, kv_heads, dim),
+                                 v[written].reshape(-1, kv_heads, dim), ref, slots[written])
+        return ref, cpu_attention.ragged_attention(q.reshape(-1, heads, dim).contiguous(), ref,
+                                                   block_tables, lens, qsl_t, 0.125)
+
+    def one_call(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = kv.clone()
+        return cache, cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, cache,
+                                                        slot_mapping, block_tables, lens,
+                                                        qsl_t, 0.125)
+
+    kv_ref, want = reference(torch.ones(tokens, dtype=torch.bool))
+    kv_got, got = one_call(slots)
     assert got is not None
     assert torch.equal(kv_got, kv_ref)
     assert torch.equal(got, want)
@@ -398,25 +408,17 @@ def test_write_kv_and_attend_equals_write_then_attend(block_size: int) -> None:
                                              block_tables, lens, qsl_t, 0.125) is None
     assert torch.equal(untouched, kv)
     # slot -1: that row's K/V are not written (the cache's stay and are attended to)
+    skipped = [0, 3, 41, 43, tokens - 1]  # rows of the prefill, the verification, the decode
     skip = slots.clone()
-    kept = [0, 3, 41, 43, tokens - 1]  # rows of the prefill, the verification, the decode
-    skip[kept] = -1
-    written = skip >= 0
-    kv_ref = kv.clone()
-    torch_attention.write_kv(k[written].reshape(-1, kv_heads, dim),
-                             v[written].reshape(-1, kv_heads, dim), kv_ref, slots[written])
-    want = cpu_attention.ragged_attention(q.reshape(-1, heads, dim).contiguous(), kv_ref,
-                                          block_tables, lens, qsl_t, 0.125)
-    kv_got = kv.clone()
-    got = cpu_attention.write_kv_and_attend(qkv, heads, kv_heads, kv_got, skip, block_tables,
-                                            lens, qsl_t, 0.125)
+    skip[skipped] = -1
+    kv_ref, want = reference(skip >= 0)
+    kv_got, got = one_call(skip)
     assert got is not None
-    assert torch.equal(kv_got, kv_ref)  # the skipped rows' slots hold the cache's old K/V
-    cache = kv_got.flatten(1, 2)  # [2, slots, kv_heads, dim]
-    assert torch.equal(cache[:, slots[kept].long()], kv.flatten(1, 2)[:, slots[kept].long()])
-    assert not torch.equal(cache[:, slots[kept].long()].flatten(1),
-                           torch.stack([k[kept], v[kept]]))
-    assert torch.equal(got, want)
+    assert torch.equal(kv_got, kv_ref) and torch.equal(got, want)
+    at = slots[skipped].long()
+    cached = kv_got.flatten(1, 2)[:, at]  # [2, rows, kv_heads, dim]: the old K/V there
+    assert torch.equal(cached, kv.flatten(1, 2)[:, at])
+    assert not torch.equal(cached, torch.stack([k[skipped], v[skipped]]).view_as(cached))
 
 
 @needs_kernel

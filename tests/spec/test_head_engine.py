@@ -212,6 +212,56 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
     _assert_head_serves_losslessly(plain, spec, PROMPTS[:2], max_tokens=16)
 
 
+def test_native_head_layer_on_some_rows_equals_it_on_all(tmp_path: Path,
+                                                         default_model_dir: Path) -> None:
+    """``head_layer(..., rows)`` (a drafting round's new nodes among every node fed so far)
+    gives those rows the bits of the call over every row and writes only their K/V; the
+    other rows' cached K/V are read, never written."""
+    import torch
+
+    from quickdraft.kernels import cpu_layer, cpu_q4q8
+    from quickdraft.kernels.attention_metadata import build_metadata
+
+    if not cpu_q4q8.available() or not cpu_layer.available():
+        pytest.skip("no q4q8 kernel or native layer here")
+    _, spec = _random_head_engines(tmp_path, default_model_dir, "int4-q8")
+    runner = spec.head
+    assert runner is not None and runner.native is not None
+    g = torch.Generator().manual_seed(3)
+    h, base, nodes = runner.embed.shape[1], 21, 4
+    emb = torch.randn(nodes, h, generator=g).bfloat16()
+    hidden = torch.randn(nodes, h, generator=g).bfloat16()
+    # a tree over the cached positions [0, base]: 0 and 1 children of the root, 2 of 0, 3 of 2
+    masks, depths = [0b1, 0b10, 0b101, 0b1101], [1, 1, 2, 3]
+    meta = build_metadata([0, nodes], [base + 1 + nodes], [[0, 1]], 16, tree_mask=masks)
+    cos, sin = runner.rotary.cos_sin(torch.tensor([base + d for d in depths]))
+    kv0 = torch.randn(2, 2, 16, runner.kv_heads, runner.head_dim, generator=g).bfloat16()
+    assert runner.native is not None
+    weights = runner.native
+
+    def layer(idx: torch.Tensor, cache: torch.Tensor,
+              rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        return cpu_layer.head_layer(emb[idx], hidden[idx], weights, (cos[idx], sin[idx]), cache,
+                                    meta, runner.heads, runner.kv_heads, 1e-5, runner.scale,
+                                    rows)
+
+    with torch.inference_mode():
+        every = kv0.clone()
+        want = layer(torch.arange(nodes), every)
+        assert want is not None
+        for rows in ([2, 3], [3], [0, 1, 2, 3]):
+            cache = every.clone()  # the other rows' K/V cached as the full call left them
+            slots = (base + 1 + torch.tensor(rows)).tolist()
+            cache.flatten(1, 2)[:, slots] = kv0.flatten(1, 2)[:, slots]  # theirs not yet
+            idx = torch.tensor(rows)
+            got = layer(idx, cache, rows=idx)
+            assert got is not None and torch.equal(got, want[idx]), rows
+            assert torch.equal(cache, every), rows
+        untouched = kv0.clone()  # a row past the step's: declined, nothing written
+        assert layer(torch.tensor([0]), untouched, rows=torch.tensor([nodes])) is None
+        assert torch.equal(untouched, kv0)
+
+
 @pytest.mark.parametrize("method", ["head", "combined"])
 def test_head_trees_on_the_triton_backend_equal_no_speculation(target: Path, head_dir: Path,
                                                                method: str) -> None:
