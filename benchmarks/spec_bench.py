@@ -18,6 +18,10 @@ flips every repeat) and the whole sweep is repeated ``--repeats`` times; the spe
 median over repeats of the paired ratio method tok/s / off tok/s (the runs of one category
 are back to back, so a load drift on the shared machine affects both sides alike).
 
+At C > 1 that wall time is the batch's slowest request's. The mean request latency
+speed-up is the other view: mean time from submission to a request's last token, off /
+method (median over repeats; overall: every category's requests of a repeat summed).
+
 Speculation statistics, summed over every request of a method's runs (from ``usage``):
 
 - tokens per verification step = (accepted + spec steps) / spec steps;
@@ -96,6 +100,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
     rids = [f"{tag}-{i}" for i in range(len(prompts))]
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     usage: dict[str, Any] = {}
+    done: dict[str, float] = {}  # seconds from submission to the request's last token
     start = time.perf_counter()
     for rid, ids in zip(rids, prompts, strict=True):
         # every request its own tenant: the suffix method's global trie never replays an
@@ -111,8 +116,10 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParam
             tokens[out.request_id].extend(out.token_ids)
             if out.finished:
                 usage[out.request_id] = out.usage
+                done[out.request_id] = time.perf_counter() - start
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "tokens": [tokens[r] for r in rids], "usage": [usage[r] for r in rids]}
+    return {"wall_s": wall, "tokens": [tokens[r] for r in rids], "usage": [usage[r] for r in rids],
+            "latency_s": [done[r] for r in rids]}
 
 
 def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
@@ -127,7 +134,8 @@ def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
                  for i, p in enumerate(prompts)]
         run = {"wall_s": sum(p["wall_s"] for p in parts),
                "tokens": [t for p in parts for t in p["tokens"]],
-               "usage": [u for p in parts for u in p["usage"]]}
+               "usage": [u for p in parts for u in p["usage"]],
+               "latency_s": [x for p in parts for x in p["latency_s"]]}
     else:
         batch = [prompts[i % len(prompts)] for i in range(concurrency)]
         run = run_batch(engine, batch, params, tag, method, tenant)
@@ -206,7 +214,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str, metric: str = "spee
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels([n.replace("_", "\n") for n in names], fontsize=8)
     ax.set_ylabel("speed-up vs speculation off ("
-                  + ("wall clock" if metric == "speedup" else "decode phase") + ")")
+                  + {"speedup": "wall clock", "decode_speedup": "decode phase",
+                     "latency_speedup": "mean request latency"}[metric] + ")")
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
@@ -219,10 +228,11 @@ def table(rows: list[dict[str, Any]]) -> str:
 
     return markdown_table(
         ["category", "conc", "method", "off tok/s", "method tok/s", "speed-up",
-         "decode speed-up", "tok/verify step", "drafts/verify step", "proposer ms/step",
-         "accept rate", "steps speculated", "greedy identical"],
+         "decode speed-up", "mean latency speed-up", "tok/verify step", "drafts/verify step",
+         "proposer ms/step", "accept rate", "steps speculated", "greedy identical"],
         [[r["category"], r["concurrency"], r["method"], r["off"]["tok_s"]["median"],
           r["on"]["tok_s"]["median"], r["speedup"], r["decode_speedup"],
+          r["latency_speedup"],
           fmt(r["spec"]["tokens_per_verify_step"]), fmt(r["spec"]["drafts_per_verify_step"]),
           fmt(r["spec"]["proposer_ms_per_step"]), pct(r["spec"]["acceptance_rate"]),
           pct(r["spec"]["speculated_step_fraction"]),
@@ -262,8 +272,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="auto (triton on CUDA, else torch), torch or triton (default auto)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 on a contended CPU)")
-    p.add_argument("--plot", default="speedup", choices=["speedup", "decode_speedup"],
-                   help="what the PNG shows (wall clock or decode phase speed-up)")
+    p.add_argument("--plot", default="speedup",
+                   choices=["speedup", "decode_speedup", "latency_speedup"],
+                   help="what the PNG shows (wall clock, decode phase or mean request "
+                        "latency speed-up)")
     p.add_argument("--tag", default=None, help="results file suffix: spec_bench_<tag>.json")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
@@ -372,9 +384,10 @@ def method_row(cat: str, c: int, method: str, off: list[dict[str, Any]],
                                            "proposer_us": round(1e6 * run["proposer_s"])})
     paired = [b["tok_s"] / a["tok_s"] for a, b in zip(off, on, strict=True)]
     decode = [b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(off, on, strict=True)]
+    latency = [sum(a["latency_s"]) / sum(b["latency_s"]) for a, b in zip(off, on, strict=True)]
     return {
         "category": cat, "concurrency": c, "method": method, "speedup": median(paired),
-        "decode_speedup": median(decode),
+        "decode_speedup": median(decode), "latency_speedup": median(latency),
         "paired_speedup": summarize(paired),
         "ratio_of_medians": median([b["tok_s"] for b in on]) / median([a["tok_s"] for a in off]),
         **{side: {"tok_s": summarize([x["tok_s"] for x in runs]),
@@ -382,6 +395,7 @@ def method_row(cat: str, c: int, method: str, off: list[dict[str, Any]],
                   "decode_tokens": [x["decode_tokens"] for x in runs],
                   "decode_s": [x["decode_s"] for x in runs],
                   "wall_s": summarize([x["wall_s"] for x in runs]),
+                  "latency_s": [sum(x["latency_s"]) for x in runs],  # summed over requests
                   "generated": [x["generated"] for x in runs]}
            for side, runs in (("off", off), ("on", on))},
         "spec": spec_metrics(counters), "counters": counters,
@@ -405,6 +419,8 @@ def overall_row(rows: list[dict[str, Any]], c: int, method: str) -> dict[str, An
                 / sum(r[side]["decode_s"][i] for r in mine))
 
     decode = [decode_rate("on", i) / decode_rate("off", i) for i in range(repeats)]
+    latency = [sum(r["off"]["latency_s"][i] for r in mine)
+               / sum(r["on"]["latency_s"][i] for r in mine) for i in range(repeats)]
     counters: dict[str, int] = {}
     for r in mine:
         counters = add_counters(counters, r["counters"])
@@ -413,7 +429,7 @@ def overall_row(rows: list[dict[str, Any]], c: int, method: str) -> dict[str, An
     prefix = sum(r["agreement"]["mean_common_prefix"] * r["agreement"]["requests"] for r in mine)
     return {
         "category": "overall", "concurrency": c, "method": method, "speedup": median(paired),
-        "decode_speedup": median(decode),
+        "decode_speedup": median(decode), "latency_speedup": median(latency),
         "paired_speedup": summarize(paired),
         **{side: {"tok_s": summarize([rate(side, i) for i in range(repeats)])}
            for side in ("off", "on")},
@@ -473,6 +489,9 @@ def report(args: argparse.Namespace, info: dict[str, Any], engine: LLMEngine,
             "decode_speedup": "the same ratio for the decode phase only: sum of "
                               "(completion_tokens - 1) / sum of decode_time (first token to "
                               "finish) over the category's requests",
+            "latency_speedup": "median over repeats of the requests' summed time from "
+                               "submission to their last token, off / method (at C > 1 the "
+                               "wall time is the slowest request's; this is their mean's)",
             "tokens_per_verify_step": "(accepted + spec_steps) / spec_steps",
             "acceptance_rate": "accepted / drafted",
             "speculated_step_fraction": "spec_steps / (completion_tokens - accepted)",
