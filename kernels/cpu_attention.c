@@ -446,9 +446,9 @@ int qd_ragged_attention_bf16(const void* q, const void* kv, const int32_t* block
  * and v are stored at cache slot slots[t] (block slot / block_size, offset slot % block_size;
  * -1: not written, a row whose K/V the cache holds already, as attention_metadata.py's
  * slot_mapping says), then out = qd_ragged_attention_bf16 of the q columns. Every slot, the
- * query layout and the
- * tree masks are checked before anything is written: a bad one returns its code with the
- * cache untouched (block ids are checked by the attention, after the write). */
+ * query layout and the tree masks are checked before anything is written: a bad one returns
+ * its code with the cache untouched (block ids are checked by the attention, after the
+ * write). */
 int qd_write_kv_attention_bf16(const void* qkv, int ldq, const int32_t* slots, void* kv,
                                const int32_t* block_tables, const int32_t* seq_lens,
                                const int32_t* query_start_loc, const int64_t* tree_mask,

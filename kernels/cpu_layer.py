@@ -208,10 +208,10 @@ def head_layer_weights(input_norm: torch.Tensor, hidden_norm: torch.Tensor,
     return [input_norm, hidden_norm, *qkv, *o, post_norm, *gate_up, *down]
 
 
-def head_layer(emb: torch.Tensor,  # [T, hidden] bf16: the embeddings of the rows' tokens
-               hidden: torch.Tensor,  # [T, hidden] bf16: fused features or parent outputs
+def head_layer(emb: torch.Tensor,  # [T or r, hidden] bf16: the embeddings of the rows' tokens
+               hidden: torch.Tensor,  # [T or r, hidden] bf16: fused features or parent outputs
                weights: list[torch.Tensor],  # from head_layer_weights
-               cos_sin: tuple[torch.Tensor, torch.Tensor],  # [T, head_dim] each
+               cos_sin: tuple[torch.Tensor, torch.Tensor],  # [T or r, head_dim] each
                kv_cache: torch.Tensor,  # the head's [2, blocks, block_size, kv_heads, d]
                meta: AttentionMetadata, heads: int, kv_heads: int, eps: float,
                scale: float, rows: torch.Tensor | None = None) -> torch.Tensor | None:
