@@ -271,7 +271,6 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
     rope_rows(qkv, cos, sin, heads, kv_heads, small_threads);
     at::Tensor attn;
     if (!rows_opt.has_value()) {
-        check(meta[0].numel() == rows, "the metadata's rows differ from emb's");
         attn = attend(qkv, meta[0], kv_cache, meta, heads, kv_heads, scale, threads);
     } else {
         // only the listed rows of the step: the others (earlier rounds' nodes, their K/V

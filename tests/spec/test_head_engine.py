@@ -6,6 +6,7 @@ q; no KV block leaks; the invariants hold after every step (tests/conftest.py)."
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -216,7 +217,8 @@ def test_native_head_layer_on_some_rows_equals_it_on_all(tmp_path: Path,
                                                          default_model_dir: Path) -> None:
     """``head_layer(..., rows)`` (a drafting round's new nodes among every node fed so far)
     gives those rows the bits of the call over every row and writes only their K/V; the
-    other rows' cached K/V are read, never written."""
+    other rows' cached K/V are read, never written. Also with the q4q8 matmuls on the
+    AVX2-only kind's loop (on a VNNI machine: the other kind's; the same bits)."""
     import torch
 
     from quickdraft.kernels import cpu_layer, cpu_q4q8
@@ -236,7 +238,6 @@ def test_native_head_layer_on_some_rows_equals_it_on_all(tmp_path: Path,
     meta = build_metadata([0, nodes], [base + 1 + nodes], [[0, 1]], 16, tree_mask=masks)
     cos, sin = runner.rotary.cos_sin(torch.tensor([base + d for d in depths]))
     kv0 = torch.randn(2, 2, 16, runner.kv_heads, runner.head_dim, generator=g).bfloat16()
-    assert runner.native is not None
     weights = runner.native
 
     def layer(idx: torch.Tensor, cache: torch.Tensor,
@@ -249,14 +250,18 @@ def test_native_head_layer_on_some_rows_equals_it_on_all(tmp_path: Path,
         every = kv0.clone()
         want = layer(torch.arange(nodes), every)
         assert want is not None
-        for rows in ([2, 3], [3], [0, 1, 2, 3]):
+        for avx2_loop, rows in itertools.product((False, True), ([2, 3], [3], [0, 1, 2, 3])):
             cache = every.clone()  # the other rows' K/V cached as the full call left them
             slots = (base + 1 + torch.tensor(rows)).tolist()
             cache.flatten(1, 2)[:, slots] = kv0.flatten(1, 2)[:, slots]  # theirs not yet
             idx = torch.tensor(rows)
-            got = layer(idx, cache, rows=idx)
-            assert got is not None and torch.equal(got, want[idx]), rows
-            assert torch.equal(cache, every), rows
+            cpu_layer.use_q4q8_loop(False if avx2_loop else None)
+            try:
+                got = layer(idx, cache, rows=idx)
+            finally:
+                cpu_layer.use_q4q8_loop(None)
+            assert got is not None and torch.equal(got, want[idx]), (avx2_loop, rows)
+            assert torch.equal(cache, every), (avx2_loop, rows)
         untouched = kv0.clone()  # a row past the step's: declined, nothing written
         assert layer(torch.tensor([0]), untouched, rows=torch.tensor([nodes])) is None
         assert torch.equal(untouched, kv0)
