@@ -1,6 +1,7 @@
 /* Fused bf16 element-wise kernels for CPU decode: RMSNorm (optionally with the residual add),
- * neox RoPE (in place, strided q/k views) and SiLU(gate) * up; and the argmax of logits rows
- * (greedy sampling and verification).
+ * neox RoPE (in place, strided q/k views) and SiLU(gate) * up; the argmax of logits rows
+ * (greedy sampling and verification); and the top-k of logits rows with their
+ * log-softmax values (a draft head's candidates).
  *
  * Plain C (no torch headers), loaded with ctypes by kernels/cpu_fused.py; needs AVX2 + FMA
  * (the Python side checks the CPU flags). At batch 1 these ops work on a few KB each, so what
@@ -400,5 +401,78 @@ int qd_argmax_f32(const float* x, int64_t* out, int rows, long long n, int threa
     if (rows < 0 || n <= 0 || !x || !out) return -1;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
     for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (size_t)r * (size_t)n, n);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* top-k log-softmax of fp32 rows (a draft head's candidates) */
+
+/* a ranks before b: the larger value, a NaN above any number (as torch.topk), then the
+ * smaller index */
+static inline int ranks_before(float a, long long ia, float b, long long ib) {
+    const int na = a != a, nb = b != b;
+    if (na != nb) return na;
+    if (!na && a != b) return a > b;
+    return ia < ib;
+}
+
+/* The row's k best (value, index) pairs, best first (ranks_before), turned into
+ * log-softmax values as torch computes them: (x - max) - log(sum(exp(x - max))), the sum
+ * with sleef_expf 8 at a time (a NaN or all -inf row gives NaNs). A value that cannot enter
+ * the current top k is rejected 8 at a time against the k-th value. */
+static QD_TARGET void top_row(const float* x, long long n, int k, float* vals,
+                              long long* idx) {
+    int have = 0;
+    float kth = -INFINITY;  /* the k-th value once k are held (a candidate must beat it) */
+    long long i = 0;
+    for (; i < n; i += 8) {
+        const int full = i + 8 <= n;
+        if (full && have == k) {
+            const __m256 a = _mm256_loadu_ps(x + i);
+            /* lanes that may enter: > kth, == kth (a tie ranks by index: a later index
+             * never wins, so == is rejected too), or NaN */
+            const int may = _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(kth),
+                                                             _CMP_NLE_UQ));
+            if (!may) continue;
+        }
+        const long long end = full ? i + 8 : n;
+        for (long long j = i; j < end; j++) {
+            const float v = x[j];
+            if (have == k && !ranks_before(v, j, vals[k - 1], idx[k - 1])) continue;
+            int at = have < k ? have++ : k - 1;
+            while (at > 0 && ranks_before(v, j, vals[at - 1], idx[at - 1])) {
+                vals[at] = vals[at - 1];
+                idx[at] = idx[at - 1];
+                at--;
+            }
+            vals[at] = v;
+            idx[at] = j;
+            if (have == k) kth = vals[k - 1] != vals[k - 1] ? INFINITY : vals[k - 1];
+        }
+    }
+    const float top = vals[0];
+    const __m256 m = _mm256_set1_ps(top);
+    __m256 acc = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8)
+        acc = _mm256_add_ps(acc, sleef_expf(_mm256_sub_ps(_mm256_loadu_ps(x + i), m)));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    float sum = 0.0f;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    for (; i < n; i++) sum += expf(x[i] - top);
+    const float log_sum = logf(sum);
+    for (int j = 0; j < k; j++) vals[j] = (vals[j] - top) - log_sum;
+}
+
+/* For each row r of x [rows, n] fp32: its min(k, n) best entries (larger values first, a NaN
+ * above any number, ties to the smaller index) as indices idx[r, :] (int64) and
+ * log-softmax values vals[r, :] = x - logsumexp(row). 0, or -1 on bad arguments. */
+int qd_top_log_softmax_f32(const float* x, float* vals, int64_t* idx, int rows, long long n,
+                           int k) {
+    if (rows < 0 || n <= 0 || k <= 0 || k > n || !x || !vals || !idx) return -1;
+    for (int r = 0; r < rows; r++) {
+        top_row(x + (size_t)r * (size_t)n, n, k, vals + (size_t)r * (size_t)k,
+                (long long*)(idx + (size_t)r * (size_t)k));
+    }
     return 0;
 }

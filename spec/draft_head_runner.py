@@ -51,7 +51,7 @@ from quickdraft.engine.models.llama import Linear, LlamaForCausalLM
 from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.engine.step_plan import StepPlan
-from quickdraft.kernels import cpu_int4, cpu_layer, cpu_q4q8
+from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, cpu_q4q8
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.spec.draft_head import DraftHead
 from quickdraft.spec.head_search import CHILDREN, HeadInput, HeadOutput, HeadSearch
@@ -101,6 +101,7 @@ class DraftHeadRunner:
         self.default_generator = default_generator
         self.vocab_size = head.config.target_vocab_size
         self.draft_to_target = head.draft_to_target.to(device)
+        self.draft_ids: list[int] = head.draft_to_target.tolist()  # draft id -> target id
         self.kv_cache = torch.zeros(0)
         c = head.config
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -262,8 +263,8 @@ class DraftHeadRunner:
                                               self.scale)[fed]  # [r, H, D]
         return head.finish_layer(attn.reshape(len(rows), head.q_size), hidden)
 
-    def _log_probs(self, out: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V_d] float32
-        return torch.log_softmax(self.head.logits(out).float(), dim=-1)
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:  # [R, h] -> [R, V_d] float32
+        return self.head.logits(out).float().contiguous()
 
     # ------------------------------------------------------------------ drafting
 
@@ -283,7 +284,7 @@ class DraftHeadRunner:
         last = torch.tensor(plan.logits_indices, device=device)
         roots = [HeadSearch(inp, out[row]) for inp, row in
                  zip(inputs, plan.logits_indices, strict=True)]
-        self._expand([(s, -1) for s in roots], self._log_probs(out[last]))
+        self._expand([(s, -1) for s in roots], self._logits(out[last]))
         # 2. rounds: feed the best candidates (K/V at their node slots), learn their children
         rounds = max(s.rounds for s in roots)
         for round_index in range(rounds):
@@ -299,26 +300,29 @@ class DraftHeadRunner:
             out = native if native is not None else self._round_python(rows, plan, meta, fed)
             for i, (s, node) in enumerate(rows):
                 s.outputs[node] = out[i]
-            self._expand(rows, self._log_probs(out))
+            self._expand(rows, self._logits(out))
             for s in active:
                 s.pending.clear()
         return [s.finish() for s in roots]
 
-    def _expand(self, rows: list[tuple[HeadSearch, int]], log_probs: torch.Tensor) -> None:
-        """Each (search, node)'s candidates from its row of ``log_probs [R, V_d]``: one
-        top-k and one copy to Python for the greedy rows."""
+    def _expand(self, rows: list[tuple[HeadSearch, int]], logits: torch.Tensor) -> None:
+        """Each (search, node)'s candidates from its row of ``logits [R, V_d]``: the greedy
+        rows' best few with their log-probabilities in one call
+        (:func:`kernels.cpu_fused.top_log_softmax`, no full log-softmax) and one copy to
+        Python; a sampled row draws from its whole log-softmax."""
         greedy = [i for i, (s, _) in enumerate(rows) if s.greedy]
         if greedy:
-            lps = log_probs if len(greedy) == len(rows) else log_probs[greedy]
-            top = torch.topk(lps, min(CHILDREN, lps.shape[-1]))  # [g, CHILDREN]
-            values = top.values.tolist()
-            tokens = self.draft_to_target[top.indices].tolist()
-            for j, i in enumerate(greedy):
-                s, node = rows[i]
-                s.expand_top(node, values[j], tokens[j])
+            rows_g = logits if len(greedy) == len(rows) else logits[greedy]
+            values, indices = cpu_fused.top_log_softmax(  # (torch's pair off the CPU)
+                rows_g, min(CHILDREN, rows_g.shape[-1]))  # [g, CHILDREN] each
+            ids = self.draft_ids
+            for j, (lps, top) in enumerate(zip(values.tolist(), indices.tolist(),
+                                               strict=True)):
+                s, node = rows[greedy[j]]
+                s.expand_top(node, lps, [ids[t] for t in top])
         for i, (s, node) in enumerate(rows):
             if not s.greedy:
-                s.sample_below(node, log_probs[i], self)
+                s.sample_below(node, torch.log_softmax(logits[i], dim=-1), self)
 
     def sample_child(self, log_probs: torch.Tensor, inp: HeadInput,
                      ) -> tuple[int, torch.Tensor]:
