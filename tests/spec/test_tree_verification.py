@@ -49,6 +49,28 @@ def test_greedy_matches_a_brute_force_walk() -> None:
         assert out.logprobs is None
 
 
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_all_greedy_batches_equal_the_general_path(logprobs: bool) -> None:
+    """An all-greedy batch skips the torch layout: its walks, tokens and logprobs equal
+    those of the same requests verified beside a sampled one (the general path)."""
+    rng = random.Random(7)
+    greedy = SamplingParams(temperature=0.0, logprobs=logprobs)
+    for it in range(20):
+        vocab = rng.choice([3, 5, 40])
+        trees = [random_tree(rng, rng.randrange(0, 12), vocab) for _ in range(4)]
+        rows = sum(t.num_rows for t in trees)
+        logits = torch.randn(rows + 3, vocab, generator=seeded(it)).round()  # ties too
+        alone = verify_trees(logits[:rows], trees, make_batch([greedy] * 4))
+        mixed = verify_trees(logits, [*trees, TokenTree.from_chain([1, 0])],
+                             make_batch([greedy] * 4 + [SamplingParams(temperature=1.0)],
+                                        default_generator=seeded(it)))
+        assert alone.token_ids == mixed.token_ids[:4]
+        assert alone.accepted_nodes == mixed.accepted_nodes[:4]
+        if logprobs:
+            assert alone.logprobs is not None and mixed.logprobs is not None
+            assert alone.logprobs == mixed.logprobs[:4]
+
+
 def test_tree_node_rows_are_the_parent_rows() -> None:
     trees = [TokenTree((4, 5, 6), (-1, -1, 0)), TokenTree(), TokenTree.from_chain([1, 2])]
     assert tree_node_rows(trees) == [0, 0, 1, 5, 6]
