@@ -321,22 +321,32 @@ def _verified_features(sched: SchedulerOutput, plan: StepPlan, aux: torch.Tensor
                        ) -> list[torch.Tensor | None] | None:
     """Per request, the rows of ``aux [num_tokens, 3h]`` at the positions the step verified:
     its tokens before the drafts, then the accepted drafts' rows (``accepted_nodes[i]``:
-    tree nodes or a chain's first ones, in path order); on the host."""
+    tree nodes or a chain's first ones, in path order); on the host. One gather and one copy
+    for the whole step, split into per-request views (per request, ~3 small torch ops were
+    ~0.2 ms a step at 8 requests on a 2-core CPU)."""
     if aux is None or wanted is None:
         return None
-    out: list[torch.Tensor | None] = []
+    rows: list[int] = []
+    counts: list[int] = []
     for i, req in enumerate(sched.requests):
         if not wanted[i]:
-            out.append(None)
             continue
         first = plan.query_start_loc[i]
         plain = req.num_tokens - req.num_draft_tokens
-        rows = list(range(first, first + plain))
+        before = len(rows)
+        rows.extend(range(first, first + plain))
         nodes = accepted_nodes[i] if accepted_nodes is not None else None
         if nodes:
-            rows += [first + plain + node for node in nodes]
-        out.append(aux[torch.tensor(rows, device=aux.device)].cpu())
-    return out
+            rows.extend(first + plain + node for node in nodes)
+        counts.append(len(rows) - before)
+    if not counts:
+        return [None] * len(wanted)
+    if rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        gathered = aux[rows[0]:rows[-1] + 1].cpu()  # [sum(counts), 3h] (decode steps: a view)
+    else:
+        gathered = aux[torch.tensor(rows, device=aux.device)].cpu()
+    parts = iter(gathered.split(counts))
+    return [next(parts) if w else None for w in wanted]
 
 
 def _draft_probs(reqs: list[ScheduledRequest], vocab: int,
