@@ -341,7 +341,9 @@ def _verified_features(sched: SchedulerOutput, plan: StepPlan, aux: torch.Tensor
         counts.append(len(rows) - before)
     if not counts:
         return [None] * len(wanted)
-    if rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+    # rows increase (requests in order, a path's nodes after their parents): they are
+    # contiguous when they span no more rows than they are
+    if rows[-1] - rows[0] == len(rows) - 1:
         gathered = aux[rows[0]:rows[-1] + 1].cpu()  # [sum(counts), 3h] (decode steps: a view)
     else:
         gathered = aux[torch.tensor(rows, device=aux.device)].cpu()

@@ -57,6 +57,7 @@ from quickdraft.spec.verification import (
     VerifyOutput,
     assemble_output,
     draft_uniforms,
+    greedy_on_raw_logits,
     prepare_verification,
     supports_speculation,
     validate_verification,
@@ -156,7 +157,7 @@ def rejection_sample(
     distribution at each draft (flattened in request order), or None for one-hot (n-gram)
     drafts. ``batch`` has one row per request. See the module docstring for the rules.
     """
-    if all(p.greedy and not p.uses_penalties and not p.logprobs for p in batch.params):
+    if greedy_on_raw_logits(batch.params) and not any(p.logprobs for p in batch.params):
         validate_verification(target_logits, draft_token_ids, draft_probs, batch)
         return _greedy(target_logits, draft_token_ids)
     prep = prepare_verification(target_logits, draft_token_ids, draft_probs, batch)

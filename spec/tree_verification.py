@@ -56,6 +56,7 @@ from quickdraft.engine.sampler import SamplingBatch, argmax_rows, sample_from_pr
 from quickdraft.spec.token_tree import TokenTree
 from quickdraft.spec.verification import (
     draft_uniforms,
+    greedy_on_raw_logits,
     prepare_verification,
     validate_verification,
 )
@@ -79,11 +80,15 @@ def tree_node_rows(trees: Sequence[TokenTree]) -> list[int]:
     """``[D]`` the target row that scores each node (its parent's row), flattened in request
     order; request ``b``'s rows start after the ``n + 1`` rows of every earlier request."""
     rows: list[int] = []
-    start = 0
-    for tree in trees:
+    for tree, start in zip(trees, _row_starts(trees), strict=True):
         rows.extend(start + 1 + p for p in tree.parents)
-        start += tree.num_rows
     return rows
+
+
+def _row_starts(trees: Sequence[TokenTree]) -> list[int]:
+    """``[B]`` each request's first target row (its root's): after every earlier request's
+    ``n + 1`` rows."""
+    return list(accumulate((tree.num_rows for tree in trees), initial=0))[:len(trees)]
 
 
 @dataclass
@@ -233,13 +238,12 @@ def verify_trees(target_logits: torch.Tensor, trees: Sequence[TokenTree],
     """
     drafts = [list(tree.token_ids) for tree in trees]
     greedy = [p.greedy for p in batch.params]
-    if all(greedy) and not any(p.uses_penalties for p in batch.params):
-        # The all-greedy batch: its processed logits are the raw ones and it draws nothing,
-        # so the torch layout (~15 small ops: 0.2-0.4 ms on a 2-core CPU, more than the
-        # argmax) is not built; the same walks and tokens as below.
+    if greedy_on_raw_logits(batch.params):
+        # no torch layout (~15 small ops: 0.2-0.4 ms on a 2-core CPU, more than the argmax);
+        # the same walks and tokens as below
         validate_verification(target_logits, drafts, None, batch)
         raw = logits = target_logits.float()  # [R, V]
-        starts = list(accumulate((tree.num_rows for tree in trees[:-1]), initial=0))
+        starts = _row_starts(trees)
         offsets: list[int] = []  # (only sampled walks read them)
     else:
         prep = prepare_verification(target_logits, drafts, None, batch)

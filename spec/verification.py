@@ -24,6 +24,7 @@ Pure functions over tensors, apart from the generators that :func:`draft_uniform
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "assemble_output",
     "draft_uniforms",
     "emitted_logprobs",
+    "greedy_on_raw_logits",
     "prepare_verification",
     "process_logits",
     "supports_speculation",
@@ -63,6 +65,12 @@ class VerifyOutput:
 def supports_speculation(params: SamplingParams) -> bool:
     """Whether drafts may be verified for a request: not when it uses penalties."""
     return not params.uses_penalties
+
+
+def greedy_on_raw_logits(params: Sequence[SamplingParams]) -> bool:
+    """Every request greedy without penalties: its processed logits are the raw ones and
+    verification draws nothing, so a verifier needs no torch layout, only argmaxes."""
+    return all(p.greedy and not p.uses_penalties for p in params)
 
 
 @dataclass(frozen=True)

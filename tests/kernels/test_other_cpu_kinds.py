@@ -26,6 +26,7 @@ SUITES = ["tests/kernels/test_cpu_fused.py", "tests/kernels/test_cpu_gemv.py",
           "tests/kernels/test_cpu_attention.py", "tests/kernels/test_tree_attention.py",
           "tests/kernels/test_cpu_int4.py", "tests/kernels/test_cpu_q4q8.py",
           "tests/kernels/test_cpu_q8q8.py", "tests/kernels/test_cpu_argmax.py",
+          "tests/kernels/test_cpu_top_log_softmax.py", "tests/spec/test_tree_verification.py",
           "tests/engine/test_cpu_fast_path.py", "tests/engine/test_gguf_quant.py"]
 # On the AVX2 path also the default model end to end: its int4 kernel (the AVX2 one) and the
 # dense path, batch invariance and closeness to fp32 (~1 min).
