@@ -129,26 +129,25 @@ class SuffixProposer:
         continued in several ways) from whichever trie expects more accepted tokens; when
         neither finds anything, from the corpus (unless ``public`` is False)."""
         c = self.config
-        tries, context = self._tries(request)
-        best = _EMPTY_TREE
-        for i, tree in enumerate(tries):
-            # the request's own trie holds its context as sequence 0: read the matches from
-            # where its last append ended instead of walking them (the same draft)
-            draft = tree.speculate_tree_of(0, max_nodes, c.max_spec_factor, c.min_token_prob,
-                                           c.min_match_len) if i == 0 else \
-                tree.speculate_tree(context, max_nodes, c.max_spec_factor, c.min_token_prob,
-                                    c.min_match_len)
-            if sum(draft.probs) > sum(best.probs):
-                best = draft
+        state, new_tokens, partition = self._pending(request)
+        # one native call: append the new tokens to the request's trie (its context is its
+        # sequence 0, whose matches are read from where the append ends), draft from it and
+        # from the tenant's trie, keep the better
+        best, _ = state.tree.extend_propose(
+            0, new_tokens, partition, max_nodes, c.max_spec_factor, c.min_token_prob,
+            c.min_match_len)
+        state.appended = request.num_tokens
         if not best.tokens and public and self.corpus is not None:
             # fixed text, no other request's: seeded sampled requests may use it too
+            context = request.token_ids_slice(max(request.num_tokens - c.max_depth, 0),
+                                              request.num_tokens)
             best = self.corpus.speculate_tree(context, max_nodes, c.max_spec_factor,
                                               c.corpus_min_token_prob, c.corpus_min_match_len)
         return best
 
-    def _tries(self, request: Request) -> tuple[list[SuffixTree], list[int]]:
-        """The tries ``request`` may draft from (its own, then its tenant's partition) and
-        its context, after appending its new tokens to its own trie."""
+    def _pending(self, request: Request) -> tuple[_RequestTrie, list[int], SuffixTree | None]:
+        """The request's trie, the tokens it does not hold yet (its prompt's last
+        ``max_context`` the first time), and its tenant's trie when it may draft from it."""
         c = self.config
         state = self._requests.get(request.request_id)
         if state is None:
@@ -156,17 +155,23 @@ class SuffixProposer:
         n = request.num_tokens
         if state.appended == 0:
             state.appended = max(n - c.max_context, 0)
-        if state.appended < n:
-            state.tree.append(0, request.token_ids_slice(state.appended, n))
-            state.appended = n
-        context = request.token_ids_slice(max(n - c.max_depth, 0), n)
-        tries = [state.tree]
+        new_tokens = request.token_ids_slice(state.appended, n) if state.appended < n else []
         partition = self._partitions.get(request.cache_salt)
-        if partition is not None and not request.sampling_params.seeded_sampling:
-            # (a seeded sampled request drafts from its own context only: the random draws
-            # it consumes depend on its drafts, and its output must depend only on its seed)
-            tries.append(partition.tree)
-        return tries, context
+        # (a seeded sampled request drafts from its own context only: the random draws it
+        # consumes depend on its drafts, and its output must depend only on its seed)
+        tenant = partition.tree if partition is not None \
+            and not request.sampling_params.seeded_sampling else None
+        return state, new_tokens, tenant
+
+    def _tries(self, request: Request) -> tuple[list[SuffixTree], list[int]]:
+        """The tries ``request`` may draft from (its own, then its tenant's partition) and
+        its context, after appending its new tokens to its own trie."""
+        state, new_tokens, tenant = self._pending(request)
+        if new_tokens:
+            state.tree.append(0, new_tokens)
+        n = state.appended = request.num_tokens
+        context = request.token_ids_slice(max(n - self.config.max_depth, 0), n)
+        return [state.tree] + ([tenant] if tenant is not None else []), context
 
     def finish(self, request: Request) -> None:
         """Drop the request's trie; add its output to its tenant's partition."""

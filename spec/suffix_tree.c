@@ -488,3 +488,47 @@ int qd_st_speculate_tree_seq(void* handle, int seq_id, int max_nodes, float fact
                           cached ? s->n_active : 0, max_nodes, factor, min_prob, min_match,
                           tokens, parents, probs, out_match);
 }
+
+/* A request's proposal in one call (what the engine does each step it drafts): append
+ * tokens[0..n) to sequence seq_id of `own`; draft a tree from that sequence's own context
+ * (qd_st_speculate_tree_seq); when `other` is given (the tenant's trie of earlier outputs),
+ * draft from it too, with the same context (the sequence's last max_depth tokens), and keep
+ * the draft whose path probabilities sum higher (ties: the own trie's). Returns the node
+ * count (outputs as qd_st_speculate_tree; out_match[1] = 0 own, 1 other), -1 when the
+ * append fails, -2 on bad input. */
+int qd_st_extend_propose(void* own, int seq_id, const int32_t* new_tokens, int n_new,
+                         void* other, int max_nodes, float factor, float min_prob,
+                         int min_match, int32_t* tokens, int32_t* parents, float* probs,
+                         int* out_match) {
+    if (!own || max_nodes < 0 || max_nodes > 256 || !tokens || !parents || !probs
+        || !out_match)
+        return -2;
+    if (qd_st_append(own, seq_id, new_tokens, n_new) != 0) return -1;
+    int count = qd_st_speculate_tree_seq(own, seq_id, max_nodes, factor, min_prob, min_match,
+                                         tokens, parents, probs, out_match);
+    if (count < 0) return -2;
+    out_match[1] = 0;
+    if (!other) return count;
+    const Tree* t = (const Tree*)own;
+    const Seq* s = &t->seqs[seq_id];
+    const int n = s->len < t->max_depth ? s->len : t->max_depth;
+    int32_t alt_tokens[256], alt_parents[256];
+    float alt_probs[256];
+    int alt_match;
+    const int alt = qd_st_speculate_tree(other, s->tokens + (s->len - n), n, max_nodes, factor,
+                                         min_prob, min_match, alt_tokens, alt_parents,
+                                         alt_probs, &alt_match);
+    if (alt < 0) return -2;
+    double own_sum = 0.0, alt_sum = 0.0; /* (as Python sums the float32 probabilities) */
+    for (int i = 0; i < count; ++i) own_sum += probs[i];
+    for (int i = 0; i < alt; ++i) alt_sum += alt_probs[i];
+    if (alt_sum > own_sum) {
+        memcpy(tokens, alt_tokens, (size_t)alt * sizeof(int32_t));
+        memcpy(parents, alt_parents, (size_t)alt * sizeof(int32_t));
+        memcpy(probs, alt_probs, (size_t)alt * sizeof(float));
+        out_match[0] = alt_match;
+        out_match[1] = 1;
+        count = alt;
+    }
+    return count;
+}

@@ -90,6 +90,41 @@ def test_one_token_appends_match_the_reference(seed: int) -> None:
                 (t, parents, probs, m), (other, step)
 
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_extend_propose_is_append_then_the_better_of_both_tries(seed: int) -> None:
+    """``extend_propose`` (one native call) equals appending, drafting from the sequence's
+    own context and from another trie with the same context, and keeping the draft whose
+    probabilities sum higher (ties: the own trie's); a request's trie against a tenant's."""
+    rng = random.Random(100 + seed)
+    own, mirror = suffix_tree.SuffixTree(24), suffix_tree.SuffixTree(24)
+    other = suffix_tree.SuffixTree(24)
+    for seq in range(4):  # the tenant's earlier outputs
+        other.append(seq, [rng.randrange(5) for _ in range(rng.choice([10, 60]))])
+    prompt = [rng.randrange(5) for _ in range(rng.choice([3, 40]))]
+    context = list(prompt)
+    new: list[int] = prompt
+    for step in range(120):
+        min_match, min_prob = rng.choice([1, 2, 3]), rng.choice([0.0, 0.2])
+        tenant = other if step % 3 else None
+        got, from_other = own.extend_propose(0, new, tenant, 16, 4.0, min_prob, min_match)
+        mirror.append(0, new)
+        want = mirror.speculate_tree_of(0, 16, 4.0, min_prob, min_match)
+        want_other = False
+        if tenant is not None:
+            alt = tenant.speculate_tree(context[-24:], 16, 4.0, min_prob, min_match)
+            if sum(alt.probs) > sum(want.probs):
+                want, want_other = alt, True
+        assert (got.tokens, got.parents, got.probs, got.match_len, from_other) == \
+            (want.tokens, want.parents, want.probs, want.match_len, want_other), step
+        new = [rng.randrange(5) for _ in range(rng.choice([0, 1, 1, 2, 4, 70]))]
+        context += new
+    assert own.num_nodes() == mirror.num_nodes()
+    with pytest.raises(ValueError, match="append"):
+        own.extend_propose(0, [3, -1], None, 4)
+    with pytest.raises(ValueError, match="max_nodes"):
+        own.extend_propose(0, [], other, 300)
+
 def test_drafts_the_most_frequent_continuation() -> None:
     tree = suffix_tree.SuffixTree(8)
     tree.append(0, [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4])
