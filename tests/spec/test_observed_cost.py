@@ -103,3 +103,30 @@ def test_the_engine_feeds_its_steps_to_the_policys_curve(tiny_model_dir):
                                    speculation="ngram", measure_step_cost=False,
                                    num_kv_blocks=64, block_size=4), progress=False)
     assert fixed.step_cost is None
+
+
+def test_a_draft_row_is_never_priced_below_what_it_adds_on_the_start_up_curve():
+    """Eight decoding requests, each with its own long context, run slower than the one-
+    context start-up curve says; a ninth (draft) row adds about what the curve says. Priced
+    by each size's own median, 8 tokens at ratio 1.20 and 9 at 1.13 made the ninth row look
+    nearly free; floored, it adds at least the curve's own 1.3 ms."""
+    base = StepCost((1, 8, 9, 16), (5.2, 13.5, 14.8, 30.5))
+    cost = ObservedStepCost(base)
+    for n, ratio in ((8, 1.20), (9, 1.13), (16, 1.0)):
+        for _ in range(3):
+            cost.observe(n, base(n) * ratio)
+    assert cost(8) == pytest.approx(base(8) * 1.20)
+    assert cost(9) - cost(8) == pytest.approx(base(9) - base(8))  # floored
+    assert cost(16) - cost(8) == pytest.approx(base(16) - base(8))
+    assert cost(1) == pytest.approx(base(1) * 1.20)  # below the smallest: its ratio
+    policy = SpeculationPolicy(cost, max_k=4)
+    # one draft accepted 60 % of the time in a step of 8 decoding rows: 7.5 % more tokens
+    # for 8.0 % more time, refused (priced at 9's own median, +3.2 %, it was granted)
+    assert policy.allocate([0.6], [1], num_plain_tokens=8, other_tokens=7.0) == [0]
+    assert policy.allocate([0.8], [1], num_plain_tokens=8, other_tokens=7.0) == [1]
+    busy = ObservedStepCost(base)
+    for n, ratio in ((1, 1.1), (8, 1.3), (9, 1.5)):  # a neighbour: larger steps slow more
+        for _ in range(3):
+            busy.observe(n, base(n) * ratio)
+    assert [busy(n) for n in (1, 8, 9)] == pytest.approx([base(1) * 1.1, base(8) * 1.3,
+                                                         base(9) * 1.5])  # kept
