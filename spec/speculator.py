@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,58 +28,20 @@ from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.step_plan import StepPlan
 from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
 from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
-from quickdraft.spec.ngram import NgramProposer
 from quickdraft.spec.params import SpeculationParams
-from quickdraft.spec.policy import AcceptanceTracker, SpeculationPolicy, expected_accepted
+from quickdraft.spec.policy import SpeculationPolicy
+from quickdraft.spec.proposals import MAX_TREE_NODES, Candidate, Proposers
 from quickdraft.spec.recycling import RecyclingProposer
-from quickdraft.spec.state import lookups_to_skip, prior
-from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
+from quickdraft.spec.state import lookups_to_skip
+from quickdraft.spec.stats import SpeculationStats
+from quickdraft.spec.suffix import SuffixProposer
 from quickdraft.spec.suffix_corpus import SuffixCorpus
-from quickdraft.spec.suffix_tree import available as suffix_tree_available
 from quickdraft.spec.token_tree import TokenTree
 from quickdraft.spec.verification import supports_speculation
 
-
-@dataclass
-class SpeculationStats:
-    """Global counters (for the metrics endpoint)."""
-
-    num_steps: int = 0  # verification steps (request-steps with >= 1 draft)
-    num_drafted: int = 0
-    num_accepted: int = 0
-    # by depth in the draft (a chain's position): verifications that reached a draft at
-    # that depth, and those that accepted one there
-    accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
-    drafted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
-    proposer_seconds: float = 0.0  # wall time spent choosing drafts (all proposers)
-    num_tree_steps: int = 0  # verifications of a tree (not a chain)
-    num_tree_nodes: int = 0  # their drafts (tree size = num_tree_nodes / num_tree_steps)
-    # per source (ngram / suffix / recycling / draft; combined counts its best source):
-    # [verification steps, drafted, accepted]
-    by_source: dict[str, list[int]] = field(default_factory=dict)
-    num_skipped_lookups: int = 0  # proposals not made by the lookup back-off (spec.state)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens emitted per verification step (accepted drafts + the one sampled token)."""
-        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else 0.0
-
-
-MAX_DEPTH = 16  # deepest draft: a chain of the most drafts a request may take
-
-# A sibling of rank r (its column in the recycling table) is accepted about this much less
-# often than the top-1 successor, per rank.
-RANK_DECAY = 0.5
-# Most nodes of a drafted tree (the policy keeps the best ones its cost curve pays for).
-MAX_TREE_NODES = 16
 # The draft head drafts a tree of this many nodes per draft the policy grants it (the
 # policy prices the head like a chain; a tree of twice the nodes costs a few more rows).
 HEAD_NODES_PER_DRAFT = 2
-
 
 # The public suffix corpus is asked only in steps of at most this many decoding requests: its
 # drafts are accepted less often than a request's own (~40-55 %), which pays where extra rows
@@ -90,44 +51,6 @@ HEAD_NODES_PER_DRAFT = 2
 # 1.284x and 1.225x -> 1.270x; C=8 asked at any size 1.089x -> 1.075x and 1.046x -> 1.061x,
 # asked at <= 4 requests 1.091x -> 1.095x.
 CORPUS_MAX_REQUESTS = 4
-
-# Pooled acceptance estimates follow many requests' verifications: slower than a request's.
-POOLED_DECAY = 0.95
-
-
-def _match_kind(match_len: int, public: bool = False) -> str:
-    """What a suffix draft's acceptance is tracked as: by how long a context suffix it
-    continues, and whether it came from the public corpus ("corpus/…"; its drafts after a
-    short match are accepted less often than the request's own). On SmolLM2 spec_bench (C=1,
-    2026-11-25, 2-core AVX512-BF16 EPYC) drafts after a 2-token match gained 0.6-1.3 tokens
-    a verification, after 8 or more 2.1-4.4."""
-    source = "corpus" if public else "suffix"
-    if match_len >= 8:
-        return f"{source}/8+"
-    return f"{source}/4-7" if match_len >= 4 else f"{source}/1-3"
-
-
-@dataclass
-class _Candidate:
-    """One request's proposal: ``tree`` None = ask the draft model for ``available``
-    drafts; else the drafts with each node's ``scores`` (the estimated probability that its
-    whole path is accepted, non-increasing along paths)."""
-
-    request: Request
-    source: str  # what the acceptance is credited to
-    tree: TokenTree | None
-    scores: list[float]
-    available: int
-    tracker: AcceptanceTracker
-    room: int = 0  # most drafts the request may take this step (the scheduler's room)
-    # combined: the free proposal (suffix tree) to use instead when drafting with the head
-    # or draft model does not pay this step (the policy's rates decide)
-    fallback: _Candidate | None = None
-
-    @property
-    def gains(self) -> list[float] | None:
-        """The nodes' scores in best-first order (what the policy grants by), or None."""
-        return sorted(self.scores, reverse=True) if self.tree is not None else None
 
 
 class Speculator:
@@ -143,29 +66,45 @@ class Speculator:
         """``verify_trees`` False: every step verifies chains (each tree's best path), for a
         kernel backend where only a chain's rows get plain decoding's bits;
         ``suffix_corpus``: the public corpus the suffix tries draft from too."""
-        self.method = method
         self.verify_trees = verify_trees
         self.max_k = max_k
-        self.proposer = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
-        # suffix tries (per request, per tenant); None without gcc: "suffix" drafts n-grams
-        self.suffix = SuffixProposer(_suffix_config(), suffix_corpus) \
-            if suffix_tree_available() else None
-        # target-prediction tables (per tenant): "recycling"
-        self.recycling = RecyclingProposer(vocab_size) if vocab_size else None
+        self.proposers = Proposers(method, max_k, ngram_min, ngram_max, draft, vocab_size,
+                                   head, suffix_corpus)
         self.policy = policy
         self.kv = kv
-        self.draft_model = draft
-        self.head = head
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
-        # acceptance by source (suffix drafts by match length) over all requests: a new
-        # request's prior (acceptance rates only: nothing of any request's content)
-        self._pools: dict[str, AcceptanceTracker] = {}
         self._chains_only = False  # this step verifies chains only (see _plan)
 
+    @property
+    def method(self) -> str:
+        """The engine's default method (a request's ``spec_params`` may name another)."""
+        return self.proposers.method
+
+    @property
+    def draft_model(self) -> DraftModelRunner | None:
+        return self.proposers.draft_model
+
+    @property
+    def head(self) -> DraftHeadRunner | None:
+        return self.proposers.head
+
+    @property
+    def suffix(self) -> SuffixProposer | None:
+        """The suffix tries (None without gcc)."""
+        return self.proposers.suffix
+
+    @property
+    def recycling(self) -> RecyclingProposer | None:
+        """The token recycling tables (None without a vocabulary size)."""
+        return self.proposers.recycling
+
     def method_of(self, request: Request) -> str:
-        params: SpeculationParams | None = request.spec_params
-        return params.method if params and params.method else self.method
+        return self.proposers.method_of(request)
+
+    def _candidate(self, request: Request, k: int, public: bool = True) -> Candidate | None:
+        """The request's proposal (:meth:`spec.proposals.Proposers.candidate`)."""
+        return self.proposers.candidate(request, k, public)
 
     def _wants(self, request: Request, room: int) -> int:
         """Most drafts this request may take (0 = no speculation for it); ``room``: what the
@@ -175,137 +114,6 @@ class Speculator:
             return 0
         k = params.k if params and params.k is not None else self.max_k
         return max(min(k, self.max_k, room), 0)
-
-    def _candidate(self, request: Request, k: int, public: bool = True
-                   ) -> _Candidate | None:
-        """The request's proposal under its method: ``suffix`` drafts the suffix tries'
-        frequency-scored tree; ``recycling`` a token-recycling tree; ``ngram`` a chain;
-        ``combined`` the best of the suffix tree and the draft head's (or draft model's)
-        chain (:meth:`_best_of`); ``draft`` the draft model.
-
-        (``suffix`` used to fall back to a recycling tree when nothing matched. On SmolLM2
-        on a 2-core AVX512-BF16 EPYC that lost: keeping the tables costs ~0.4 ms on every
-        step and the fallback trees were rarely accepted; measured without it, suffix went
-        from 0.97x to 1.08x on summaries and from 1.53x to 1.76x on code edits. See
-        docs/benchmarks.md.)"""
-        method = self.method_of(request)
-        if method == "combined":
-            return self._best_of(request, k, public)
-        if method == "draft":
-            return self._model_candidate(request, k)
-        if method == "head":
-            return self._head_candidate(request, k)
-        found: _Candidate | None = None
-        if method == "suffix" and self.suffix is not None:
-            found = self._suffix_tree(request, public)
-        elif method in ("ngram", "suffix"):
-            found = self._chain(request, "ngram", self._ngram(request, k))
-        if method == "recycling":
-            found = self._recycling_tree(request)
-        return found
-
-    def _chain(self, request: Request, source: str, drafts: list[int]) -> _Candidate | None:
-        if not drafts:
-            return None
-        tracker = self._tracker(request, source)
-        return _Candidate(request, source, TokenTree.from_chain(drafts),
-                          [tracker.alpha ** d for d in range(1, len(drafts) + 1)],
-                          len(drafts), tracker)
-
-    def _suffix_tree(self, request: Request, public: bool = True) -> _Candidate | None:
-        """The suffix tries' frequency-scored tree. A node at depth d scores like a chain's
-        d-th draft (``alpha^d``) times its path probability relative to the likeliest node
-        at its depth (so the likeliest path is exactly a chain's scores, and a branch the
-        context took a third as often scores a third), capped by its parent's score."""
-        assert self.suffix is not None
-        draft = self.suffix.propose_tree(request, MAX_TREE_NODES, public)
-        if not draft.tokens:
-            return None
-        # acceptance is tracked per match length: a draft continuing a long matched suffix
-        # is accepted far more often than one after a 2-token match (see _match_kind)
-        kind = _match_kind(draft.match_len, draft.public)
-        tracker = self._tracker(request, kind)
-        tree = TokenTree(tuple(draft.tokens), tuple(draft.parents))
-        depths = tree.depths
-        top: dict[int, float] = {}
-        for d, p in zip(depths, draft.probs, strict=True):
-            top[d] = max(top.get(d, 0.0), p)
-        scores: list[float] = []
-        for d, p, parent in zip(depths, draft.probs, draft.parents, strict=True):
-            score = tracker.alpha ** d * (p / top[d] if top[d] > 0 else 0.0)
-            scores.append(min(score, scores[parent]) if parent >= 0 else score)
-        return _Candidate(request, "corpus" if draft.public else "suffix", tree, scores,
-                          len(tree), tracker)
-
-    def _ngram(self, request: Request, k: int) -> list[int]:
-        return self.proposer.propose(_context(request, self.proposer.max_context))[:k]
-
-    def _recycling_tree(self, request: Request) -> _Candidate | None:
-        if self.recycling is None:
-            return None
-        tokens, parents, ranks = self.recycling.propose_tree(request, MAX_TREE_NODES)
-        if not tokens:
-            return None
-        tracker = self._tracker(request, "recycling")
-        scores: list[float] = []
-        for parent, rank in zip(parents, ranks, strict=True):
-            above = scores[parent] if parent >= 0 else 1.0
-            scores.append(above * tracker.alpha * RANK_DECAY ** rank)
-        return _Candidate(request, "recycling", TokenTree(tuple(tokens), tuple(parents)),
-                          scores, len(tokens), tracker)
-
-    def _model_candidate(self, request: Request, k: int) -> _Candidate | None:
-        if self.draft_model is None:
-            return None
-        return _Candidate(request, "draft", None, [], k, self._tracker(request, "draft"))
-
-    def _head_candidate(self, request: Request, k: int) -> _Candidate | None:
-        if self.head is None:
-            return None
-        return _Candidate(request, "head", None, [], k, self._tracker(request, "head"))
-
-    def _best_of(self, request: Request, k: int, public: bool = True
-                 ) -> _Candidate | None:
-        """``combined``: the proposal expected to accept the most drafts this step. The
-        suffix tries' tree costs nothing to draft, so the draft head's (or draft model's)
-        chain, priced at its pooled-then-per-request acceptance, is taken when the tries
-        match nothing or when it expects more than the tree's best ``k`` nodes; then the
-        tree rides along as its ``fallback``, which :meth:`_plan` takes instead when the
-        policy finds the step's rate higher with it (a head proposal costs a fraction of a
-        step; a matched suffix tree costs nothing).
-
-        (This used to merge every model-free proposal, n-gram and suffix chains and a
-        token-recycling tree, into one tree. On SmolLM2, C=1, four spec_bench categories on
-        the 2-core AVX512-BF16 EPYC (2026-11-25) that came out 1.18x against suffix trees'
-        1.36x: its proposers took 1.0 ms a step against suffix's 0.17 ms (the recycling
-        tables' upkeep alone ~0.4 ms), and the suffix trie finds what n-gram chains do.)"""
-        free = (self._suffix_tree(request, public) if self.suffix is not None
-                else self._chain(request, "ngram", self._ngram(request, k)))
-        model = self._head_candidate(request, k) or self._model_candidate(request, k)
-        if free is None or model is None:
-            return free or model
-        model_gain = expected_accepted(model.tracker.alpha, k)
-        if model_gain <= sum(sorted(free.scores)[-k:]):
-            return free
-        model.fallback = free
-        return model
-
-    def _pool(self, kind: str) -> AcceptanceTracker:
-        """The pooled acceptance estimate of ``kind`` over all requests so far."""
-        pooled = self._pools.get(kind)
-        if pooled is None:
-            pooled = self._pools[kind] = AcceptanceTracker(alpha=prior(kind),
-                                                           decay=POOLED_DECAY)
-        return pooled
-
-    def _tracker(self, request: Request, source: str) -> AcceptanceTracker:
-        """The request's acceptance estimate for ``source`` (or a kind of suffix draft); a
-        request's first starts from the pooled one (rates only: nothing of any request's
-        content), which it keeps updating. A seeded sampled request's starts from the fixed
-        prior instead: the random draws its verification consumes depend on how many
-        drafts it gets, and its output must depend on its seed and prompt alone."""
-        seeded = request.sampling_params.seeded_sampling
-        return request.spec_state.tracker(source, None if seeded else self._pool(source))
 
     def recycler(self, requests: list[Request]
                  ) -> Callable[[torch.Tensor, StepPlan], None] | None:
@@ -337,7 +145,7 @@ class Speculator:
 
     def _plan(self, requests: list[Request], rooms: list[int], num_plain_tokens: int,
               budget: int) -> None:
-        candidates: list[_Candidate] = []
+        candidates: list[Candidate] = []
         looked: list[Request] = []  # requests whose proposers ran this step
         public = len(requests) <= CORPUS_MAX_REQUESTS  # may draft from the public corpus
         for request, room in zip(requests, rooms, strict=True):
@@ -372,7 +180,7 @@ class Speculator:
                 state.idle_lookups = 0 if drafted else state.idle_lookups + 1
                 state.lookups_to_skip = lookups_to_skip(state.idle_lookups)
 
-    def _grant(self, candidates: list[_Candidate], requests: list[Request],
+    def _grant(self, candidates: list[Candidate], requests: list[Request],
                num_plain_tokens: int, budget: int) -> None:
         """The policy's drafts for this step's ``candidates``, written to their requests."""
         if not candidates:
@@ -424,13 +232,13 @@ class Speculator:
             c.request.spec_tree = None if tree.is_chain else tree
             state.in_flight_depth = tree.max_depth
 
-    def _allocate(self, candidates: list[_Candidate], num_plain_tokens: int,
+    def _allocate(self, candidates: list[Candidate], num_plain_tokens: int,
                   weights: list[float], other_tokens: float,
-                  ) -> tuple[list[int], list[_Candidate]]:
+                  ) -> tuple[list[int], list[Candidate]]:
         """The policy's draft counts for ``candidates``; where some carry a free
         ``fallback`` (combined), also for the fallbacks in place of the refused ones and in
         place of all of them, keeping whichever allocation gives the step the best rate."""
-        def rate(cands: list[_Candidate]) -> tuple[list[int], float]:
+        def rate(cands: list[Candidate]) -> tuple[list[int], float]:
             return self.policy.allocate_with_rate(
                 [c.tracker.alpha for c in cands], [c.available for c in cands],
                 num_plain_tokens, [c.tree is None for c in cands], weights,
@@ -441,7 +249,7 @@ class Speculator:
             return ks, candidates
         chosen = candidates
 
-        def swap(c: _Candidate, use: bool) -> _Candidate:
+        def swap(c: Candidate, use: bool) -> Candidate:
             return c.fallback if use and c.fallback is not None else c
         refused = [swap(c, k == 0) for c, k in zip(candidates, ks, strict=True)]
         every = [swap(c, True) for c in candidates]
@@ -564,21 +372,7 @@ class Speculator:
         request.num_spec_steps += 1
         request.num_drafted_tokens += num_drafted
         request.num_accepted_tokens += num_accepted
-        s = self.stats
-        s.num_steps += 1
-        s.num_drafted += num_drafted
-        s.num_accepted += num_accepted
-        for pos in range(min(depth, MAX_DEPTH)):
-            s.drafted_per_position[pos] += 1
-            if pos < num_accepted:
-                s.accepted_per_position[pos] += 1
-        if num_drafted > depth:  # a tree
-            s.num_tree_steps += 1
-            s.num_tree_nodes += num_drafted
-        counts = s.by_source.setdefault(source, [0, 0, 0])
-        counts[0] += 1
-        counts[1] += num_drafted
-        counts[2] += num_accepted
+        self.stats.add(source, depth, num_drafted, num_accepted)
 
     def on_finish(self, request: Request, status: RequestStatus) -> None:
         """The request is done: drop its state; its output joins its tenant's suffix
@@ -601,23 +395,3 @@ def _best_path(tree: TokenTree, scores: list[float], k: int) -> list[int]:
         node = max(kids, key=lambda c: scores[c])
         path.append(tree.token_ids[node])
     return path
-
-
-def _context(request: Request, limit: int) -> list[int]:
-    """The last ``limit`` tokens of prompt + output (earlier chat turns are in the prompt)."""
-    out = request.output_token_ids
-    if len(out) >= limit:
-        return out[-limit:]
-    return request.prompt_token_ids[-(limit - len(out)):] + out
-
-
-def _suffix_config() -> SuffixConfig:
-    """Defaults, or (benchmark tuning only) ``QUICKDRAFT_SUFFIX=factor,min_prob,min_match``."""
-    import os
-
-    raw = os.environ.get("QUICKDRAFT_SUFFIX")
-    if not raw:
-        return SuffixConfig()
-    factor, min_prob, min_match = raw.split(",")
-    return SuffixConfig(max_spec_factor=float(factor), min_token_prob=float(min_prob),
-                        min_match_len=int(min_match))

@@ -19,7 +19,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 1, 2, 5, 6, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7]
 
 def make(prompt: list[int] = PROMPT, rid: str = "r") -> tuple[Speculator, Request]:
     spec = Speculator("combined", max_k=4, ngram_min=2, ngram_max=4, policy=SpeculationPolicy())
-    spec.draft_model = object()  # type: ignore[assignment]  # (only its presence matters here)
+    spec.proposers.draft_model = object()  # type: ignore[assignment]  # (only its presence matters here)
     return spec, _request(prompt, rid)
 
 
@@ -35,7 +35,7 @@ def test_the_suffix_tree_unless_the_model_chain_expects_more():
     tree = spec._candidate(request, 4)  # the pooled priors are alike: the free tree wins
     assert tree is not None and tree.source == "suffix" and tree.tree is not None
     assert tree.tree.token_ids[:4] == (8, 9, 10, 11)
-    model = spec._tracker(request, "draft")
+    model = spec.proposers.tracker(request, "draft")
     for alpha, want in ((0.99, "draft"), (0.2, "suffix")):
         model.alpha = alpha
         picked = spec._candidate(request, 4)
@@ -55,14 +55,14 @@ def test_a_new_request_starts_from_the_pooled_acceptance():
     spec, first = make([1, 2, 3, 4, 5, 6, 7])
     spec.plan([first], [4], num_plain_tokens=1, budget=64)
     assert first.spec_state.model_k > 0  # the draft model owes drafts
-    before = spec._pool("draft").alpha
+    before = spec.proposers.pool("draft").alpha
     first.spec_state.model_k = 0
     spec.record(first, 4, 0)  # all rejected
-    assert spec._tracker(first, "draft").alpha < before
-    assert spec._pool("draft").alpha < before  # the pool moved with it (more slowly)
+    assert spec.proposers.tracker(first, "draft").alpha < before
+    assert spec.proposers.pool("draft").alpha < before  # the pool moved with it (more slowly)
     second = _request([1, 2, 3, 4, 5, 6, 7], "s")
-    assert spec._tracker(second, "draft").alpha == spec._pool("draft").alpha
-    assert spec._tracker(second, "draft") is not spec._tracker(first, "draft")
+    assert spec.proposers.tracker(second, "draft").alpha == spec.proposers.pool("draft").alpha
+    assert spec.proposers.tracker(second, "draft") is not spec.proposers.tracker(first, "draft")
 
 
 def test_nothing_to_draft_and_no_draft_model_gives_no_candidate():
@@ -84,7 +84,7 @@ def test_a_tree_never_outgrows_the_room_the_scheduler_leaves():
         def propose_tree(req: Request, max_nodes: int) -> tuple[list[int], list[int], list[int]]:
             return chain, list(range(-1, 9)), [0] * 10  # a 10-deep chain-shaped "tree"
 
-    spec.recycling = Table()  # type: ignore[assignment]
+    spec.proposers.recycling = Table()  # type: ignore[assignment]
     for room, k, want in ((2, None, 2), (16, 3, 3), (0, None, 0)):
         request = Request("r", [1, 2, 3], SamplingParams(max_tokens=64), frozenset(),
                           spec_params=SpeculationParams(k=k) if k is not None else None)
@@ -100,14 +100,14 @@ def test_a_seeded_sampled_request_starts_from_the_fixed_prior():
     from quickdraft.spec.policy import AcceptanceTracker
 
     spec, greedy = make([1, 2, 3, 4, 5, 6, 7])
-    spec._pool("draft").alpha = 0.1
+    spec.proposers.pool("draft").alpha = 0.1
     seeded = Request("s", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.8, seed=1),
                      frozenset())
     unseeded = Request("u", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0.8),
                        frozenset())
-    assert spec._tracker(greedy, "draft").alpha == 0.1
-    assert spec._tracker(unseeded, "draft").alpha == 0.1
-    assert spec._tracker(seeded, "draft").alpha == AcceptanceTracker.alpha
+    assert spec.proposers.tracker(greedy, "draft").alpha == 0.1
+    assert spec.proposers.tracker(unseeded, "draft").alpha == 0.1
+    assert spec.proposers.tracker(seeded, "draft").alpha == AcceptanceTracker.alpha
 
 
 def test_head_features_are_kept_in_order_and_restart_after_a_gap():
@@ -139,7 +139,7 @@ def test_a_model_chain_that_does_not_pay_falls_back_to_the_free_tree():
     from quickdraft.spec.policy import StepCost
 
     spec, request = make()
-    spec._tracker(request, "draft").alpha = 0.99
+    spec.proposers.tracker(request, "draft").alpha = 0.99
     picked = spec._candidate(request, 4)
     assert picked is not None and picked.source == "draft" and picked.fallback is not None
     spec.policy = SpeculationPolicy(draft_cost=StepCost((1, 16), (10.0, 10.0)))

@@ -142,7 +142,7 @@ def test_greedy_equal_with_the_corpus_and_its_drafts_accepted(tiny_model_dir, co
     assert got == want
     assert spec.kv.num_free_blocks == free
     # the corpus holds these very answers: its drafts were made and accepted
-    pools = spec.speculator._pools
+    pools = spec.speculator.proposers.pools
     assert any(kind.startswith("corpus/") for kind in pools)
     assert spec.speculator.stats.by_source.get("corpus", [0])[0] > 0  # verified as "corpus"
     assert sum(u.num_accepted_tokens for u in usage.values()) > 0
@@ -168,7 +168,7 @@ def test_the_corpus_is_asked_in_small_steps_only(tiny_model_dir, tmp_path):
         return out
 
     def corpus_kinds() -> set[str]:
-        return {k for k in spec.speculator._pools if k.startswith("corpus/")}
+        return {k for k in spec.speculator.proposers.pools if k.startswith("corpus/")}
 
     many = requests(CORPUS_MAX_REQUESTS + 1)
     spec.speculator.plan(many, [4] * len(many), len(many), 4 * len(many))

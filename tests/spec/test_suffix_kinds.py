@@ -8,7 +8,8 @@ import pytest
 from quickdraft.engine.request import Request
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec.policy import SpeculationPolicy
-from quickdraft.spec.speculator import POOLED_DECAY, Speculator, _match_kind
+from quickdraft.spec.proposals import POOLED_DECAY, match_kind
+from quickdraft.spec.speculator import Speculator
 
 # "1 2 3 4 5 6 7 8 9 10 11 12" then its first 9 tokens again: a 9-token match
 LONG = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 40, 41, 1, 2, 3, 4, 5, 6, 7, 8, 9]
@@ -23,7 +24,7 @@ def request(rid: str, prompt: list[int]) -> Request:
 
 
 def test_match_kinds():
-    assert [_match_kind(n) for n in (1, 2, 3, 4, 7, 8, 24)] == [
+    assert [match_kind(n) for n in (1, 2, 3, 4, 7, 8, 24)] == [
         "suffix/1-3", "suffix/1-3", "suffix/1-3", "suffix/4-7", "suffix/4-7", "suffix/8+",
         "suffix/8+"]
 
@@ -33,8 +34,8 @@ def test_drafts_are_scored_by_their_kinds_acceptance_and_new_requests_start_from
     if spec.suffix is None:
         pytest.skip("the suffix trie needs gcc")
     long_req, short_req = request("a", LONG), request("b", SHORT)
-    long_draft = spec._suffix_tree(long_req)
-    short_draft = spec._suffix_tree(short_req)
+    long_draft = spec.proposers._suffix_tree(long_req)
+    short_draft = spec.proposers._suffix_tree(short_req)
     assert long_draft is not None and short_draft is not None
     assert long_draft.tree is not None and long_draft.tree.token_ids[0] == 10
     assert short_draft.tree is not None and short_draft.tree.token_ids[0] == 22
@@ -46,13 +47,13 @@ def test_drafts_are_scored_by_their_kinds_acceptance_and_new_requests_start_from
     for _ in range(10):
         long_tracker.update(num_drafted=3, num_accepted=3)
         short_draft.tracker.update(num_drafted=3, num_accepted=0)
-    long_again, short_again = spec._suffix_tree(long_req), spec._suffix_tree(short_req)
+    long_again, short_again = spec.proposers._suffix_tree(long_req), spec.proposers._suffix_tree(short_req)
     assert long_again is not None and short_again is not None
     assert long_again.scores[0] > 0.95 and short_again.scores[0] < 0.05
     # a new request's estimates start from every earlier request's (the pools)
     newcomer_long, newcomer_short = request("c", LONG), request("d", SHORT)
-    first_long = spec._suffix_tree(newcomer_long)
-    first_short = spec._suffix_tree(newcomer_short)
+    first_long = spec.proposers._suffix_tree(newcomer_long)
+    first_short = spec.proposers._suffix_tree(newcomer_short)
     assert first_long is not None and first_short is not None
     pooled = POOLED_DECAY ** 10  # ten verifications of each kind moved the pools from 0.6
     assert first_long.tracker.alpha == pytest.approx(1 - 0.4 * pooled)

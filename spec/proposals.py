@@ -1,0 +1,248 @@
+"""Each request's proposal for a step, scored for the policy (:mod:`spec.speculator` asks).
+
+A request's speculation method picks its proposer: ``suffix`` (the default) the suffix
+tries' frequency-scored tree, ``recycling`` a token-recycling tree, ``ngram`` a chain,
+``draft`` and ``head`` the draft model's or draft head's drafts (made later, into the slots
+the scheduler reserves for them), ``combined`` the best of the suffix tree and the head's
+(or model's) chain. A :class:`Candidate` carries the drafts and each node's score, the
+estimated probability that its whole path is accepted, from the request's acceptance
+tracker for that kind of proposal, which starts from the kind's estimate pooled over
+requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quickdraft.engine.request import Request
+from quickdraft.spec.draft_head_runner import DraftHeadRunner
+from quickdraft.spec.draft_model import DraftModelRunner
+from quickdraft.spec.ngram import NgramProposer
+from quickdraft.spec.params import SpeculationParams
+from quickdraft.spec.policy import AcceptanceTracker, expected_accepted
+from quickdraft.spec.recycling import RecyclingProposer
+from quickdraft.spec.state import prior
+from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
+from quickdraft.spec.suffix_corpus import SuffixCorpus
+from quickdraft.spec.suffix_tree import available as suffix_tree_available
+from quickdraft.spec.token_tree import TokenTree
+
+# A sibling of rank r (its column in the recycling table) is accepted about this much less
+# often than the top-1 successor, per rank.
+RANK_DECAY = 0.5
+# Most nodes of a drafted tree (the policy keeps the best ones its cost curve pays for).
+MAX_TREE_NODES = 16
+
+# Pooled acceptance estimates follow many requests' verifications: slower than a request's.
+POOLED_DECAY = 0.95
+
+
+def match_kind(match_len: int, public: bool = False) -> str:
+    """What a suffix draft's acceptance is tracked as: by how long a context suffix it
+    continues, and whether it came from the public corpus ("corpus/…"; its drafts after a
+    short match are accepted less often than the request's own). On SmolLM2 spec_bench (C=1,
+    2026-11-25, 2-core AVX512-BF16 EPYC) drafts after a 2-token match gained 0.6-1.3 tokens
+    a verification, after 8 or more 2.1-4.4."""
+    source = "corpus" if public else "suffix"
+    if match_len >= 8:
+        return f"{source}/8+"
+    return f"{source}/4-7" if match_len >= 4 else f"{source}/1-3"
+
+
+@dataclass
+class Candidate:
+    """One request's proposal: ``tree`` None = ask the draft model for ``available``
+    drafts; else the drafts with each node's ``scores`` (the estimated probability that its
+    whole path is accepted, non-increasing along paths)."""
+
+    request: Request
+    source: str  # what the acceptance is credited to
+    tree: TokenTree | None
+    scores: list[float]
+    available: int
+    tracker: AcceptanceTracker
+    room: int = 0  # most drafts the request may take this step (the scheduler's room)
+    # combined: the free proposal (suffix tree) to use instead when drafting with the head
+    # or draft model does not pay this step (the policy's rates decide)
+    fallback: Candidate | None = None
+
+    @property
+    def gains(self) -> list[float] | None:
+        """The nodes' scores in best-first order (what the policy grants by), or None."""
+        return sorted(self.scores, reverse=True) if self.tree is not None else None
+
+
+class Proposers:
+    """The proposers and the pooled acceptance estimates; builds each request's
+    :class:`Candidate`. The only writer of the tries, tables and pools it holds."""
+
+    def __init__(self, method: str, max_k: int, ngram_min: int, ngram_max: int,
+                 draft: DraftModelRunner | None = None, vocab_size: int = 0,
+                 head: DraftHeadRunner | None = None,
+                 suffix_corpus: SuffixCorpus | None = None) -> None:
+        self.method = method
+        self.ngram = NgramProposer(min_n=ngram_min, max_n=ngram_max, k=max_k)
+        # suffix tries (per request, per tenant); None without gcc: "suffix" drafts n-grams
+        self.suffix = SuffixProposer(_suffix_config(), suffix_corpus) \
+            if suffix_tree_available() else None
+        # target-prediction tables (per tenant): "recycling"
+        self.recycling = RecyclingProposer(vocab_size) if vocab_size else None
+        self.draft_model = draft
+        self.head = head
+        # acceptance by source (suffix drafts by match length) over all requests: a new
+        # request's prior (acceptance rates only: nothing of any request's content)
+        self.pools: dict[str, AcceptanceTracker] = {}
+
+    def method_of(self, request: Request) -> str:
+        params: SpeculationParams | None = request.spec_params
+        return params.method if params and params.method else self.method
+
+    def candidate(self, request: Request, k: int, public: bool = True) -> Candidate | None:
+        """The request's proposal under its method: ``suffix`` drafts the suffix tries'
+        frequency-scored tree; ``recycling`` a token-recycling tree; ``ngram`` a chain;
+        ``combined`` the best of the suffix tree and the draft head's (or draft model's)
+        chain (:meth:`_best_of`); ``draft`` the draft model.
+
+        (``suffix`` used to fall back to a recycling tree when nothing matched. On SmolLM2
+        on a 2-core AVX512-BF16 EPYC that lost: keeping the tables costs ~0.4 ms on every
+        step and the fallback trees were rarely accepted; measured without it, suffix went
+        from 0.97x to 1.08x on summaries and from 1.53x to 1.76x on code edits. See
+        docs/benchmarks.md.)"""
+        method = self.method_of(request)
+        if method == "combined":
+            return self._best_of(request, k, public)
+        if method == "draft":
+            return self._model_candidate(request, k)
+        if method == "head":
+            return self._head_candidate(request, k)
+        found: Candidate | None = None
+        if method == "suffix" and self.suffix is not None:
+            found = self._suffix_tree(request, public)
+        elif method in ("ngram", "suffix"):
+            found = self._chain(request, "ngram", self._ngram(request, k))
+        if method == "recycling":
+            found = self._recycling_tree(request)
+        return found
+
+    def _chain(self, request: Request, source: str, drafts: list[int]) -> Candidate | None:
+        if not drafts:
+            return None
+        tracker = self.tracker(request, source)
+        return Candidate(request, source, TokenTree.from_chain(drafts),
+                          [tracker.alpha ** d for d in range(1, len(drafts) + 1)],
+                          len(drafts), tracker)
+
+    def _suffix_tree(self, request: Request, public: bool = True) -> Candidate | None:
+        """The suffix tries' frequency-scored tree. A node at depth d scores like a chain's
+        d-th draft (``alpha^d``) times its path probability relative to the likeliest node
+        at its depth (so the likeliest path is exactly a chain's scores, and a branch the
+        context took a third as often scores a third), capped by its parent's score."""
+        assert self.suffix is not None
+        draft = self.suffix.propose_tree(request, MAX_TREE_NODES, public)
+        if not draft.tokens:
+            return None
+        # acceptance is tracked per match length: a draft continuing a long matched suffix
+        # is accepted far more often than one after a 2-token match (see match_kind)
+        kind = match_kind(draft.match_len, draft.public)
+        tracker = self.tracker(request, kind)
+        tree = TokenTree(tuple(draft.tokens), tuple(draft.parents))
+        depths = tree.depths
+        top: dict[int, float] = {}
+        for d, p in zip(depths, draft.probs, strict=True):
+            top[d] = max(top.get(d, 0.0), p)
+        scores: list[float] = []
+        for d, p, parent in zip(depths, draft.probs, draft.parents, strict=True):
+            score = tracker.alpha ** d * (p / top[d] if top[d] > 0 else 0.0)
+            scores.append(min(score, scores[parent]) if parent >= 0 else score)
+        return Candidate(request, "corpus" if draft.public else "suffix", tree, scores,
+                          len(tree), tracker)
+
+    def _ngram(self, request: Request, k: int) -> list[int]:
+        return self.ngram.propose(_context(request, self.ngram.max_context))[:k]
+
+    def _recycling_tree(self, request: Request) -> Candidate | None:
+        if self.recycling is None:
+            return None
+        tokens, parents, ranks = self.recycling.propose_tree(request, MAX_TREE_NODES)
+        if not tokens:
+            return None
+        tracker = self.tracker(request, "recycling")
+        scores: list[float] = []
+        for parent, rank in zip(parents, ranks, strict=True):
+            above = scores[parent] if parent >= 0 else 1.0
+            scores.append(above * tracker.alpha * RANK_DECAY ** rank)
+        return Candidate(request, "recycling", TokenTree(tuple(tokens), tuple(parents)),
+                          scores, len(tokens), tracker)
+
+    def _model_candidate(self, request: Request, k: int) -> Candidate | None:
+        if self.draft_model is None:
+            return None
+        return Candidate(request, "draft", None, [], k, self.tracker(request, "draft"))
+
+    def _head_candidate(self, request: Request, k: int) -> Candidate | None:
+        if self.head is None:
+            return None
+        return Candidate(request, "head", None, [], k, self.tracker(request, "head"))
+
+    def _best_of(self, request: Request, k: int, public: bool = True
+                 ) -> Candidate | None:
+        """``combined``: the proposal expected to accept the most drafts this step. The
+        suffix tries' tree costs nothing to draft, so the draft head's (or draft model's)
+        chain, priced at its pooled-then-per-request acceptance, is taken when the tries
+        match nothing or when it expects more than the tree's best ``k`` nodes; then the
+        tree rides along as its ``fallback``, which the speculator's plan takes instead when the
+        policy finds the step's rate higher with it (a head proposal costs a fraction of a
+        step; a matched suffix tree costs nothing).
+
+        (This used to merge every model-free proposal, n-gram and suffix chains and a
+        token-recycling tree, into one tree. On SmolLM2, C=1, four spec_bench categories on
+        the 2-core AVX512-BF16 EPYC (2026-11-25) that came out 1.18x against suffix trees'
+        1.36x: its proposers took 1.0 ms a step against suffix's 0.17 ms (the recycling
+        tables' upkeep alone ~0.4 ms), and the suffix trie finds what n-gram chains do.)"""
+        free = (self._suffix_tree(request, public) if self.suffix is not None
+                else self._chain(request, "ngram", self._ngram(request, k)))
+        model = self._head_candidate(request, k) or self._model_candidate(request, k)
+        if free is None or model is None:
+            return free or model
+        model_gain = expected_accepted(model.tracker.alpha, k)
+        if model_gain <= sum(sorted(free.scores)[-k:]):
+            return free
+        model.fallback = free
+        return model
+
+    def pool(self, kind: str) -> AcceptanceTracker:
+        """The pooled acceptance estimate of ``kind`` over all requests so far."""
+        pooled = self.pools.get(kind)
+        if pooled is None:
+            pooled = self.pools[kind] = AcceptanceTracker(alpha=prior(kind),
+                                                           decay=POOLED_DECAY)
+        return pooled
+
+    def tracker(self, request: Request, source: str) -> AcceptanceTracker:
+        """The request's acceptance estimate for ``source`` (or a kind of suffix draft); a
+        request's first starts from the pooled one (rates only: nothing of any request's
+        content), which it keeps updating. A seeded sampled request's starts from the fixed
+        prior instead: the random draws its verification consumes depend on how many
+        drafts it gets, and its output must depend on its seed and prompt alone."""
+        seeded = request.sampling_params.seeded_sampling
+        return request.spec_state.tracker(source, None if seeded else self.pool(source))
+
+
+def _context(request: Request, limit: int) -> list[int]:
+    """The last ``limit`` tokens of prompt + output (earlier chat turns are in the prompt)."""
+    out = request.output_token_ids
+    if len(out) >= limit:
+        return out[-limit:]
+    return request.prompt_token_ids[-(limit - len(out)):] + out
+
+
+def _suffix_config() -> SuffixConfig:
+    """Defaults, or (benchmark tuning only) ``QUICKDRAFT_SUFFIX=factor,min_prob,min_match``."""
+    import os
+
+    raw = os.environ.get("QUICKDRAFT_SUFFIX")
+    if not raw:
+        return SuffixConfig()
+    factor, min_prob, min_match = raw.split(",")
+    return SuffixConfig(max_spec_factor=float(factor), min_token_prob=float(min_prob),
+                        min_match_len=int(min_match))
