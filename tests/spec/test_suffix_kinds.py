@@ -47,7 +47,9 @@ def test_drafts_are_scored_by_their_kinds_acceptance_and_new_requests_start_from
     for _ in range(10):
         long_tracker.update(num_drafted=3, num_accepted=3)
         short_draft.tracker.update(num_drafted=3, num_accepted=0)
-    long_again, short_again = spec.proposers._suffix_tree(long_req), spec.proposers._suffix_tree(short_req)
+    proposers = spec.proposers
+    long_again = proposers._suffix_tree(long_req)
+    short_again = proposers._suffix_tree(short_req)
     assert long_again is not None and short_again is not None
     assert long_again.scores[0] > 0.95 and short_again.scores[0] < 0.05
     # a new request's estimates start from every earlier request's (the pools)
