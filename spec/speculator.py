@@ -4,11 +4,11 @@ The scheduler decides; the speculator follows. Each step ``schedule()`` first ch
 batch without drafts, then calls :meth:`Speculator.plan` with the chosen requests that decode
 (all but their newest token computed), how many drafts each may take and the batch's real
 size (prefill chunks included). For each, the request's proposer (or, for ``combined``, the
-best of them) drafts; the adaptive policy decides how many drafts pay at this batch size;
-model-free drafts go to ``request.spec_token_ids``, the draft model's count to
-``spec_state.model_k``. The scheduler then reserves every draft's slot in the request's one
-allocation and calls :meth:`Speculator.draft`, where the draft model fills what it owes into
-those slots. After verification the scheduler reports each request through
+best of them) drafts (:mod:`spec.proposals`); the adaptive policy decides how many drafts
+pay at this batch size; model-free drafts go to ``request.spec_token_ids``, the draft
+model's count to ``spec_state.model_k``. The scheduler then reserves every draft's slot in
+the request's one allocation and calls :meth:`Speculator.draft`, where the draft model fills
+what it owes into those slots. After verification the scheduler reports each request through
 :meth:`Speculator.record`; preemption and the end of a request reach
 :meth:`Speculator.on_preempt` and :meth:`Speculator.on_finish`.
 

@@ -39,7 +39,6 @@ from quickdraft.spec.suffix_corpus import SuffixCorpus
 from quickdraft.spec.suffix_tree import Draft, SuffixTree, TreeDraft
 
 _EMPTY = Draft([], 0.0, 0)
-_EMPTY_TREE = TreeDraft([], [], [], 0)
 
 
 @dataclass(frozen=True)
@@ -133,10 +132,10 @@ class SuffixProposer:
         # one native call: append the new tokens to the request's trie (its context is its
         # sequence 0, whose matches are read from where the append ends), draft from it and
         # from the tenant's trie, keep the better
+        state.appended = request.num_tokens  # (first: a failed call must not append twice)
         best, _ = state.tree.extend_propose(
             0, new_tokens, partition, max_nodes, c.max_spec_factor, c.min_token_prob,
             c.min_match_len)
-        state.appended = request.num_tokens
         if not best.tokens and public and self.corpus is not None:
             # fixed text, no other request's: seeded sampled requests may use it too
             context = request.token_ids_slice(max(request.num_tokens - c.max_depth, 0),
