@@ -73,8 +73,8 @@ class Candidate:
 
 
 class Proposers:
-    """The proposers and the pooled acceptance estimates; builds each request's
-    :class:`Candidate`. The only writer of the tries, tables and pools it holds."""
+    """The proposers (each the only writer of its tries or tables) and the pooled
+    acceptance estimates (written only here); builds each request's :class:`Candidate`."""
 
     def __init__(self, method: str, max_k: int, ngram_min: int, ngram_max: int,
                  draft: DraftModelRunner | None = None, vocab_size: int = 0,
