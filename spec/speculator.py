@@ -77,11 +77,6 @@ class Speculator:
         self._chains_only = False  # this step verifies chains only (see _plan)
 
     @property
-    def method(self) -> str:
-        """The engine's default method (a request's ``spec_params`` may name another)."""
-        return self.proposers.method
-
-    @property
     def draft_model(self) -> DraftModelRunner | None:
         return self.proposers.draft_model
 

@@ -471,6 +471,12 @@ int qd_st_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes,
                           parents, probs, out_match);
 }
 
+/* A sequence's context for drafting: its last max_depth tokens (*n of them). */
+static const int32_t* seq_context(const Tree* t, const Seq* s, int* n) {
+    *n = s->len < t->max_depth ? s->len : t->max_depth;
+    return s->tokens + (s->len - *n);
+}
+
 /* qd_st_speculate_tree with ctx = sequence seq_id's last max_depth tokens, its matches read
  * from the sequence's cached active set (no walks from the root); the same result. */
 int qd_st_speculate_tree_seq(void* handle, int seq_id, int max_nodes, float factor,
@@ -482,9 +488,10 @@ int qd_st_speculate_tree_seq(void* handle, int seq_id, int max_nodes, float fact
         return -1;
     const Seq* s = &t->seqs[seq_id];
     if (!s->alive) return -1;
-    const int n = s->len < t->max_depth ? s->len : t->max_depth;
+    int n;
+    const int32_t* ctx = seq_context(t, s, &n);
     const int cached = s->active && s->active_len == s->len;
-    return speculate_tree(t, s->tokens + (s->len - n), n, cached ? s->active : NULL,
+    return speculate_tree(t, ctx, n, cached ? s->active : NULL,
                           cached ? s->n_active : 0, max_nodes, factor, min_prob, min_match,
                           tokens, parents, probs, out_match);
 }
@@ -510,12 +517,12 @@ int qd_st_extend_propose(void* own, int seq_id, const int32_t* new_tokens, int n
     out_match[1] = 0;
     if (!other) return count;
     const Tree* t = (const Tree*)own;
-    const Seq* s = &t->seqs[seq_id];
-    const int n = s->len < t->max_depth ? s->len : t->max_depth;
+    int n;
+    const int32_t* ctx = seq_context(t, &t->seqs[seq_id], &n);
     int32_t alt_tokens[256], alt_parents[256];
     float alt_probs[256];
     int alt_match;
-    const int alt = qd_st_speculate_tree(other, s->tokens + (s->len - n), n, max_nodes, factor,
+    const int alt = qd_st_speculate_tree(other, ctx, n, max_nodes, factor,
                                          min_prob, min_match, alt_tokens, alt_parents,
                                          alt_probs, &alt_match);
     if (alt < 0) return -2;
