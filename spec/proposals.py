@@ -97,11 +97,14 @@ class Proposers:
         params: SpeculationParams | None = request.spec_params
         return params.method if params and params.method else self.method
 
-    def candidate(self, request: Request, k: int, public: bool = True) -> Candidate | None:
+    def candidate(self, request: Request, k: int, public: bool = True,
+                  min_gain: float = 0.0) -> Candidate | None:
         """The request's proposal under its method: ``suffix`` drafts the suffix tries'
         frequency-scored tree; ``recycling`` a token-recycling tree; ``ngram`` a chain;
         ``combined`` the best of the suffix tree and the draft head's (or draft model's)
-        chain (:meth:`_best_of`); ``draft`` the draft model.
+        chain (:meth:`_best_of`); ``draft`` the draft model. A free proposal (tree or chain)
+        whose best node scores ``min_gain`` or less is None: no draft of it can pay (its
+        nodes' scores are at most its tracker's ``alpha``).
 
         (``suffix`` used to fall back to a recycling tree when nothing matched. On SmolLM2
         on a 2-core AVX512-BF16 EPYC that lost: keeping the tables costs ~0.4 ms on every
@@ -117,22 +120,26 @@ class Proposers:
             return self._head_candidate(request, k)
         found: Candidate | None = None
         if method == "suffix" and self.suffix is not None:
-            found = self._suffix_tree(request, public)
+            found = self._suffix_tree(request, public, min_gain)
         elif method in ("ngram", "suffix"):
-            found = self._chain(request, "ngram", self._ngram(request, k))
+            found = self._chain(request, "ngram", self._ngram(request, k), min_gain)
         if method == "recycling":
-            found = self._recycling_tree(request)
+            found = self._recycling_tree(request, min_gain)
         return found
 
-    def _chain(self, request: Request, source: str, drafts: list[int]) -> Candidate | None:
+    def _chain(self, request: Request, source: str, drafts: list[int],
+               min_gain: float = 0.0) -> Candidate | None:
         if not drafts:
             return None
         tracker = self.tracker(request, source)
+        if tracker.alpha <= min_gain:
+            return None
         return Candidate(request, source, TokenTree.from_chain(drafts),
                           [tracker.alpha ** d for d in range(1, len(drafts) + 1)],
                           len(drafts), tracker)
 
-    def _suffix_tree(self, request: Request, public: bool = True) -> Candidate | None:
+    def _suffix_tree(self, request: Request, public: bool = True, min_gain: float = 0.0
+                     ) -> Candidate | None:
         """The suffix tries' frequency-scored tree. A node at depth d scores like a chain's
         d-th draft (``alpha^d``) times its path probability relative to the likeliest node
         at its depth (so the likeliest path is exactly a chain's scores, and a branch the
@@ -145,6 +152,8 @@ class Proposers:
         # is accepted far more often than one after a 2-token match (see match_kind)
         kind = match_kind(draft.match_len, draft.public)
         tracker = self.tracker(request, kind)
+        if tracker.alpha <= min_gain:  # (every node's score is at most alpha)
+            return None
         tree = TokenTree(tuple(draft.tokens), tuple(draft.parents))
         depths = tree.depths
         top: dict[int, float] = {}
@@ -160,13 +169,15 @@ class Proposers:
     def _ngram(self, request: Request, k: int) -> list[int]:
         return self.ngram.propose(_context(request, self.ngram.max_context))[:k]
 
-    def _recycling_tree(self, request: Request) -> Candidate | None:
+    def _recycling_tree(self, request: Request, min_gain: float = 0.0) -> Candidate | None:
         if self.recycling is None:
             return None
         tokens, parents, ranks = self.recycling.propose_tree(request, MAX_TREE_NODES)
         if not tokens:
             return None
         tracker = self.tracker(request, "recycling")
+        if tracker.alpha <= min_gain:
+            return None
         scores: list[float] = []
         for parent, rank in zip(parents, ranks, strict=True):
             above = scores[parent] if parent >= 0 else 1.0

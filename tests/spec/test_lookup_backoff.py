@@ -37,7 +37,7 @@ def test_a_request_that_never_drafts_backs_off(tiny_model_dir) -> None:
     engine = make_engine(tiny_model_dir, "suffix")
     calls: list[int] = []
 
-    def finds_nothing(request, k, public=True):  # a proposer that never matches
+    def finds_nothing(request, k, public=True, min_gain=0.0):  # a proposer that never matches
         calls.append(request.num_tokens)
         return None
 
@@ -72,9 +72,10 @@ def test_a_drafted_step_resets_the_back_off(tiny_model_dir) -> None:
     real, stats = engine.speculator._candidate, engine.speculator.stats
     seen: list[tuple[int, int]] = []  # per lookup: (idle lookups before it, skipped so far)
 
-    def late_match(request, k, public=True):  # nothing for 20 lookups, then the real one
+    # nothing for 20 lookups, then the real one
+    def late_match(request, k, public=True, min_gain=0.0):
         seen.append((request.spec_state.idle_lookups, stats.num_skipped_lookups))
-        return real(request, k, public) if len(seen) > 20 else None
+        return real(request, k, public, min_gain) if len(seen) > 20 else None
 
     engine.speculator._candidate = late_match  # type: ignore[method-assign]
     engine.generate([PROMPTS[2]], GREEDY)  # (repeats itself: the tries match)
