@@ -151,9 +151,10 @@ class Speculator:
         # could pay: a collapsed request is then re-tested whatever its score (_grant).
         # (Against the plain step: with other requests' drafts granted first the bar moves a
         # little either way; a draft just above it pays next to nothing.)
+        # (Computed at the first look-up: a step where every request backs off prices
+        # nothing.)
         tokens = sum(self._token_weight(r) for r in requests)
-        floor = 0.0 if self.policy.probe_pays(num_plain_tokens, tokens) \
-            else self.policy.first_draft_threshold(num_plain_tokens, tokens)
+        floor: float | None = None
         for request, room in zip(requests, rooms, strict=True):
             request.clear_drafts()
             k = self._wants(request, room)
@@ -161,9 +162,13 @@ class Speculator:
                 request.spec_state.lookups_to_skip -= 1
                 self.stats.num_skipped_lookups += 1
                 continue
-            if k:
-                looked.append(request)
-            if k and (candidate := self._candidate(
+            if not k:
+                continue
+            looked.append(request)
+            if floor is None:
+                bar = self.policy.first_draft_threshold(num_plain_tokens, tokens)
+                floor = 0.0 if self.policy.probe_alpha > bar else bar  # (probe_pays)
+            if (candidate := self._candidate(
                     request, k, public, floor / self._token_weight(request))) is not None:
                 for c in (candidate, candidate.fallback):
                     if c is None:
