@@ -45,11 +45,9 @@ HEAD_NODES_PER_DRAFT = 2
 
 # The public suffix corpus is asked only in steps of at most this many decoding requests: its
 # drafts are accepted less often than a request's own (~40-55 %), which pays where extra rows
-# cost little but not in a batch whose rows are already compute-bound. Same-process A/Bs
-# (benchmarks/suffix_corpus_ab.py, 2026-11-27, 2-core AVX512-BF16 EPYC), decode speed-up
-# over off without -> with it: C=1 1.371x -> 1.457x, C=2 1.345x -> 1.460x, C=4 1.254x ->
-# 1.284x and 1.225x -> 1.270x; C=8 asked at any size 1.089x -> 1.075x and 1.046x -> 1.061x,
-# asked at <= 4 requests 1.091x -> 1.095x.
+# cost little, not in a compute-bound batch (benchmarks/suffix_corpus_ab.py, 2026-11-27,
+# AVX512-BF16 EPYC: C=1 1.371x -> 1.457x with it, C=4 1.254x -> 1.284x, C=8 asked at any
+# size 1.089x -> 1.075x, at <= 4 requests 1.091x -> 1.095x; docs/benchmarks.md).
 CORPUS_MAX_REQUESTS = 4
 
 
@@ -144,25 +142,18 @@ class Speculator:
         candidates: list[Candidate] = []
         looked: list[Request] = []  # requests whose proposers ran this step
         public = len(requests) <= CORPUS_MAX_REQUESTS  # may draft from the public corpus
-        # What a free proposal's best node must score (its expected accepted tokens) for its
-        # first draft to raise this step's rate; a proposal below it is dropped before it is
-        # scored and allocated (at 8 requests on the 2-core AVX2-only Zen 3, ~0.6 tokens: 97 %
-        # of rewrite proposals were refused after ~0.3 ms of planning a step). 0 when a probe
-        # could pay: a collapsed request is then re-tested whatever its score (_grant).
-        # (Against the plain step: with other requests' drafts granted first the bar moves a
-        # little either way; a draft just above it pays next to nothing.)
-        # (Computed at the first look-up: a step where every request backs off prices
-        # nothing.)
+        # What a free proposal's best node must score for its first draft to pay; one below
+        # it is dropped before it is scored and allocated (0 when a probe could pay; priced
+        # at the first look-up; docs/architecture.md, "Looking for drafts is not free").
         tokens = sum(self._token_weight(r) for r in requests)
         floor: float | None = None
         for request, room in zip(requests, rooms, strict=True):
             request.clear_drafts()
-            k = self._wants(request, room)
-            if k and request.spec_state.lookups_to_skip > 0:  # backing off
+            if not (k := self._wants(request, room)):
+                continue
+            if request.spec_state.lookups_to_skip > 0:  # backing off
                 request.spec_state.lookups_to_skip -= 1
                 self.stats.num_skipped_lookups += 1
-                continue
-            if not k:
                 continue
             looked.append(request)
             if floor is None:
