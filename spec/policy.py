@@ -136,7 +136,6 @@ class ObservedStepCost:
         # plan after every step recomputing every size's median cost ~35 us of the ~300 us
         # a suffix plan takes at C=1 on the 2-core AVX2-only Zen 3)
         self._medians: dict[int, float] = {}
-        self._base: dict[int, float] = {}  # start-up(n), for the sizes seen
         self._recent: deque[float] = deque(maxlen=64)  # every size's ratios, for /metrics
         self._last_seen: dict[int, int] = {}
         self._step = 0
@@ -151,10 +150,7 @@ class ObservedStepCost:
         self._costs.clear()
         if not 1 <= num_tokens <= self.max_tokens or not seconds > 0.0:
             return
-        base = self._base.get(num_tokens)
-        if base is None:
-            base = self._base[num_tokens] = self.base(num_tokens)
-        ratio = seconds / base
+        ratio = seconds / self.base(num_tokens)
         assert ratio > 0.0 and ratio != float("inf"), (num_tokens, seconds)
         samples = self._samples.get(num_tokens)
         if samples is None:
@@ -185,10 +181,10 @@ class ObservedStepCost:
             oldest = self._step - self.stale_steps
             for n in [n for n, seen in self._last_seen.items() if seen < oldest]:
                 # (bounds the work to sizes seen lately, e.g. prefills)
-                del self._samples[n], self._last_seen[n], self._base[n]
+                del self._samples[n], self._last_seen[n]
                 self._medians.pop(n, None)
             sizes = sorted(self._medians)
-            base = [self._base[n] for n in sizes]
+            base = [self.base(n) for n in sizes]
             # each size's time over the start-up curve's, floored at the most a smaller
             # size's is over it (see the class docstring)
             excess = accumulate((b * (self._medians[n] - 1.0)
@@ -329,6 +325,14 @@ class SpeculationPolicy:
         """Whether one more draft, accepted with probability ``probe_alpha``, raises the rate
         of a step of ``num_tokens`` query tokens that emits ``tokens`` (weighted)."""
         return self.probe_alpha > self.first_draft_threshold(num_tokens, tokens)
+
+    def free_draft_floor(self, num_tokens: int, tokens: float) -> float:
+        """What a free proposal's best node must score to be worth scoring in a step of
+        ``num_tokens`` query tokens that emits ``tokens``: :meth:`first_draft_threshold`, or
+        0 where a probe could pay (a collapsed request is then re-tested whatever its
+        score)."""
+        bar = self.first_draft_threshold(num_tokens, tokens)
+        return 0.0 if self.probe_alpha > bar else bar
 
     def first_draft_threshold(self, num_tokens: int, tokens: float) -> float:
         """The expected accepted tokens (weighted) above which one free draft raises the rate

@@ -142,9 +142,8 @@ class Speculator:
         candidates: list[Candidate] = []
         looked: list[Request] = []  # requests whose proposers ran this step
         public = len(requests) <= CORPUS_MAX_REQUESTS  # may draft from the public corpus
-        # What a free proposal's best node must score for its first draft to pay; one below
-        # it is dropped before it is scored and allocated (0 when a probe could pay; priced
-        # at the first look-up; docs/architecture.md, "Looking for drafts is not free").
+        # a free proposal scoring no more than the floor is dropped before it is scored and
+        # allocated (priced at the first look-up; docs/architecture.md, "Looking for drafts")
         tokens = sum(self._token_weight(r) for r in requests)
         floor: float | None = None
         for request, room in zip(requests, rooms, strict=True):
@@ -157,8 +156,7 @@ class Speculator:
                 continue
             looked.append(request)
             if floor is None:
-                bar = self.policy.first_draft_threshold(num_plain_tokens, tokens)
-                floor = 0.0 if self.policy.probe_alpha > bar else bar  # (probe_pays)
+                floor = self.policy.free_draft_floor(num_plain_tokens, tokens)
             if (candidate := self._candidate(
                     request, k, public, floor / self._token_weight(request))) is not None:
                 for c in (candidate, candidate.fallback):

@@ -28,6 +28,9 @@ def test_the_threshold_is_where_one_draft_starts_to_raise_the_rate():
                                  gains=[[gain]] + [[0.0]] * (n - 1))
             assert ks[0] == granted, (n, gain)
     assert policy.probe_pays(1, 1.0) and not policy.probe_pays(8, 8.0)
+    # the floor the plan drops proposals below: 0 where a probe pays, else the threshold
+    assert policy.free_draft_floor(1, 1.0) == 0.0
+    assert policy.free_draft_floor(8, 8.0) == policy.first_draft_threshold(8, 8.0) > 0.5
 
 
 def _requests(n: int) -> list[Request]:
@@ -70,7 +73,7 @@ def _plan(alpha: float, floor: bool) -> tuple[list[list[int]], list[float], int]
 def test_dropping_proposals_below_the_floor_grants_the_same_drafts(alpha):
     with_floor, asked, found = _plan(alpha, floor=True)
     without, _, found_without = _plan(alpha, floor=False)
-    bar = SpeculationPolicy(ROWS).first_draft_threshold(8, 8.0)
+    bar = SpeculationPolicy(ROWS).free_draft_floor(8, 8.0)
     assert asked == [pytest.approx(bar)] * 8 and 0.5 < bar < 0.95
     assert with_floor == without
     assert found_without == 8  # the tries match every request's context
