@@ -26,10 +26,16 @@
  * lanes share reading a chunk of K/V rows and converting it to fp32 once, for every chunk
  * that all its rows see whole at the same positions (a long context is memory-bound, so
  * verification rows and prefill rows ride on one stream of the cache). With enough
- * sequences a task takes all kv heads (contiguous in the cache); with few, one kv head and
- * fewer rows, so that the threads have work.
+ * sequences a task takes all kv heads (contiguous in the cache); with few, a sequence past
+ * one segment is cut into runs of positions (all heads), a shorter one into one kv head and
+ * fewer rows a task, so that the threads have work.
  * Positions are walked in chunks of QD_CHUNK with an online softmax (running max and sum per
- * head; the accumulator is rescaled once per chunk), so no [ctx] buffer is needed. In the fp32
+ * head; the accumulator is rescaled once per chunk), so no [ctx] buffer is needed. Every
+ * QD_SEGMENT visible positions (cpu_attention_lane.h) a lane's softmax starts afresh and the
+ * segments' states are folded in order (fold_segment): the cut points are fixed by visible
+ * index, so a sequence with few rows and a long context can be split by positions between
+ * threads (cpu_attention_tasks.h: its parts store their segments' states, merge_split folds
+ * them) with the bits of the same lane computed whole, in one task. In the fp32
  * lane all math is fp32 (bf16 -> fp32 by shift; q is pre-multiplied by scale); the dot lane
  * (cpu_attention_dot.h, AVX512-BF16, chosen per process: qd_attention_use_dot) takes q K^T and
  * P V as bf16 pair dot products with fp32 sums, the rest as the fp32 lane. The output is
@@ -92,11 +98,7 @@ typedef struct {
     uint64_t bits;
 } RowSpan;
 
-/* One task: query rows [t0, t1) of sequence s (consecutive tokens) and kv heads [h0, h1). */
-typedef struct {
-    int s, t0, t1, h0, h1;
-    long long cost; /* rows * heads * visible positions (an estimate, for the task order) */
-} Task;
+#include "cpu_attention_tasks.h"
 
 /* A chunk's n K and V rows made ready for the call's lane: converted to fp32 (kf, vf) or
  * packed for the dot lane (in the same buffers). */
@@ -128,10 +130,64 @@ static QD_TARGET void lane_chunk(int dot, const float* q, float* acc, float* m, 
     row_chunk(q, acc, m, l, sc, kf, vf, n, G, D);
 }
 
-/* A task's rows and heads. Each (row, kv head) lane is computed exactly as it would be alone
- * (same chunks, same arithmetic): lanes only share reading and converting the chunks that all
- * rows see whole at the same positions, so a task streams its sequence's K/V once, all heads'
- * rows together (contiguous in the cache). Returns QD_OK or an error code (nothing else is
+/* Lane (token t, kv head h)'s output: its fold fa [G][D] over its sum fl [G], rounded to
+ * bf16 into out [t][heads][D]. */
+static QD_TARGET void write_lane(const Args* a, int t, int h, const float* fa,
+                                 const float* fl) {
+    const int D = a->d, G = a->heads / a->kv_heads;
+    uint16_t* dst = a->out + ((size_t)t * a->heads + (size_t)h * G) * D;
+    for (int g = 0; g < G; ++g) {
+        const float inv = 1.0f / fl[g];
+        for (int dd = 0; dd < D; ++dd) dst[g * D + dd] = f32_to_bf16(fa[g * D + dd] * inv);
+    }
+}
+
+/* The online-softmax state of a task's lanes (lane (r, h) = r * NH + h): its current
+ * segment's accumulator [G][D], max and sum [G], and the fold of its segments so far. */
+typedef struct {
+    float acc[QD_ROW_FLOATS] __attribute__((aligned(64)));
+    float fa[QD_ROW_FLOATS] __attribute__((aligned(64)));
+    float m[QD_MAX_LANES * 64], l[QD_MAX_LANES * 64];
+    float fm[QD_MAX_LANES * 64], fl[QD_MAX_LANES * 64];
+    int nh; /* the task's kv heads */
+} LaneState;
+
+/* Row r's lanes have walked segment seg (their visible indices up to its end, or their
+ * last): its state is folded (a task covering its lanes whole) or stored in the task's
+ * slots (a part of a split sequence), and the lanes start the next segment afresh. */
+static QD_TARGET void end_segment(const Args* a, const Task* task, LaneState* st, int r,
+                                  int seg) {
+    const int D = a->d, G = a->heads / a->kv_heads, GD = G * D;
+    const int first = a->qsl == NULL ? task->s : a->qsl[task->s];
+    for (int h = 0; h < st->nh; ++h) {
+        const size_t lane = (size_t)r * st->nh + h;
+        float *acc = st->acc + lane * GD, *m = st->m + lane * G, *l = st->l + lane * G;
+        if (task->part != NULL) {
+            const size_t row = (size_t)(task->t0 + r - first);
+            float* slot = task->part + ((row * a->kv_heads + task->h0 + h) * task->nseg + seg)
+                                           * (GD + 2 * G);
+            memcpy(slot, acc, (size_t)GD * sizeof(float));
+            memcpy(slot + GD, m, (size_t)G * sizeof(float));
+            memcpy(slot + GD + G, l, (size_t)G * sizeof(float));
+        } else {
+            fold_segment(st->fa + lane * GD, st->fm + lane * G, st->fl + lane * G, acc, m, l,
+                         G, D, seg == 0);
+        }
+        for (int x = 0; x < GD; x += 8) _mm256_store_ps(acc + x, _mm256_setzero_ps());
+        for (int g = 0; g < G; ++g) {
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
+        }
+    }
+}
+
+/* A task's rows and heads over the visible positions [plo, phi) (phi: INT32_MAX, each row's
+ * end). Each (row, kv head) lane is computed exactly as it would be alone (same segments and
+ * chunks, same arithmetic): lanes only share reading and converting the chunks that all rows
+ * see whole at the same positions, so a task streams its sequence's K/V once, all heads' rows
+ * together (contiguous in the cache). A task covering its lanes whole (part == NULL) folds
+ * their segments and writes the output; a part of a split sequence stores each segment's
+ * state in its slot of part for merge_split. Returns QD_OK or an error code (nothing else is
  * touched). */
 static QD_TARGET int attend_task(const Args* a, const Task* task) {
     const int D = a->d, G = a->heads / a->kv_heads, GD = G * D, bs = a->block_size;
@@ -142,12 +198,13 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
     const int base_ctx = a->seq_lens[s] - q_len; /* positions before the new tokens */
     const int32_t* table = a->block_tables + (size_t)s * a->max_blocks;
     const size_t row_stride = (size_t)a->kv_heads * D;          /* between positions */
+    const int lo = task->plo, hi = task->phi;
 
     RowSpan span[QD_MAX_ROWS];
-    /* lane (r, h) = r * NH + h: its q (pre-scaled) and accumulator [G][D], max and sum [G] */
-    float qs[QD_ROW_FLOATS] __attribute__((aligned(64)));
-    float acc[QD_ROW_FLOATS] __attribute__((aligned(64)));
-    float m[QD_MAX_LANES * 64], l[QD_MAX_LANES * 64];
+    float qs[QD_ROW_FLOATS] __attribute__((aligned(64))); /* lane (r, h): q (pre-scaled) */
+    LaneState st; /* the lanes' online-softmax states */
+    st.nh = NH;
+    float *acc = st.acc, *m = st.m, *l = st.l;
     float sc[64 * QD_CHUNK] __attribute__((aligned(64)));      /* [G][QD_CHUNK] */
     float kf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(64)));
     float vf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(64)));
@@ -168,6 +225,7 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
         sp->ctx = sp->bits ? base_ctx + __builtin_popcountll(sp->bits) : causal;
         sp->contig = sp->bits ? base_ctx : sp->ctx;
         if (sp->contig < common) common = sp->contig;
+        if (sp->ctx <= lo) return QD_EARG; /* (make_tasks cuts below every row's end) */
         for (int h = 0; h < NH; ++h) {
             const uint16_t* qsrc = a->q + (size_t)t * a->ldq + (size_t)(h0 + h) * GD;
             const size_t lane = (size_t)r * NH + h;
@@ -181,15 +239,25 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
             for (int g = 0; g < G; ++g) { m[lane * G + g] = -INFINITY; l[lane * G + g] = 0.0f; }
         }
     }
-
-    /* the shared whole chunks: contiguous positions, converted once per head for all R rows;
-     * the next chunk's K/V rows of a head are prefetched before this one's are computed */
-    const int shared = common - common % QD_CHUNK;
-    int bi = -1, bo = bs; /* block index in the table, offset in the block (no divisions) */
+    /* the shared whole chunks in [lo, hi): contiguous positions, converted once per head for
+     * all R rows; the next chunk's K/V rows of a head are prefetched before this one's are
+     * computed */
+    const int shared_all = common - common % QD_CHUNK;
+    const int shared = shared_all < hi ? shared_all : hi;
+    int bi = lo / bs - 1, bo = bs; /* block index in the table, offset in the block (no divisions) */
     size_t base = 0;
+    if (lo < shared && lo % bs) {
+        bi = lo / bs;
+        const int blk = table[bi];
+        if (blk < 0 || blk >= a->num_blocks) return QD_EBLOCK;
+        base = (size_t)blk * bs * row_stride;
+        bo = lo % bs;
+    }
     size_t ahead[2][QD_CHUNK]; /* positions (head 0) of this chunk and the next */
-    for (int p0 = 0, cur = 0; p0 < shared; p0 += QD_CHUNK, cur ^= 1) {
-        for (int c = p0 == 0 ? 0 : 1; c < 2 && p0 + c * QD_CHUNK < shared; ++c)
+    for (int p0 = lo, cur = 0; p0 < shared; p0 += QD_CHUNK, cur ^= 1) {
+        if (p0 > lo && p0 % QD_SEGMENT == 0)
+            for (int r = 0; r < R; ++r) end_segment(a, task, &st, r, p0 / QD_SEGMENT - 1);
+        for (int c = p0 == lo ? 0 : 1; c < 2 && p0 + c * QD_CHUNK < shared; ++c)
             for (int j = 0; j < QD_CHUNK; ++j) {
                 if (bo == bs) {
                     const int blk = table[++bi];
@@ -222,12 +290,16 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
             }
         }
     }
-    /* each row's own remaining chunks: its contiguous positions, then its tree bits */
+    /* each row's own remaining chunks in [lo, hi): its contiguous positions, then its tree
+     * bits; then its last segment */
     for (int r = 0; r < R; ++r) {
         const RowSpan* sp = &span[r];
+        const int start = shared > lo ? shared : lo, end = sp->ctx < hi ? sp->ctx : hi;
         uint64_t bits = sp->bits;
-        for (int p0 = shared; p0 < sp->ctx; p0 += QD_CHUNK) {
-            const int n = sp->ctx - p0 < QD_CHUNK ? sp->ctx - p0 : QD_CHUNK;
+        for (int skip = start - sp->contig; skip > 0; --skip) bits &= bits - 1;
+        for (int p0 = start; p0 < end; p0 += QD_CHUNK) {
+            if (p0 > lo && p0 % QD_SEGMENT == 0) end_segment(a, task, &st, r, p0 / QD_SEGMENT - 1);
+            const int n = end - p0 < QD_CHUNK ? end - p0 : QD_CHUNK;
             for (int j = 0; j < n; ++j) {
                 int p = p0 + j;
                 if (p >= sp->contig) {
@@ -249,20 +321,39 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                            kf, vf, n, G, D, a->scale);
             }
         }
+        end_segment(a, task, &st, r, (end - 1) / QD_SEGMENT);
     }
-
+    if (task->part != NULL) return QD_OK; /* merge_split writes the output */
     for (int r = 0; r < R; ++r)
         for (int h = 0; h < NH; ++h) {
-            uint16_t* dst = a->out + ((size_t)(t0 + r) * a->heads + (size_t)(h0 + h) * G) * D;
             const size_t lane = (size_t)r * NH + h;
-            const float* ar = acc + lane * GD;
-            for (int g = 0; g < G; ++g) {
-                const float inv = 1.0f / l[lane * G + g];
-                for (int dd = 0; dd < D; ++dd)
-                    dst[g * D + dd] = f32_to_bf16(ar[g * D + dd] * inv);
-            }
+            write_lane(a, t0 + r, h0 + h, st.fa + lane * GD, st.fl + lane * G);
         }
     return QD_OK;
+}
+
+/* Output rows of a split sequence s (task: one of its parts, holding part and nseg): each
+ * lane's segment states, stored by its parts, folded in order and written out. */
+static QD_TARGET void merge_split(const Args* a, const Task* task) {
+    const int D = a->d, G = a->heads / a->kv_heads, GD = G * D, s = task->s;
+    const int first = a->qsl == NULL ? s : a->qsl[s];
+    const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - first;
+    const int base_ctx = a->seq_lens[s] - q_len;
+    float fa[QD_MAX_GD] __attribute__((aligned(64)));
+    float fm[64], fl[64];
+    for (int i = 0; i < q_len; ++i) {
+        const int t = first + i;
+        const uint64_t bits = a->tree_mask != NULL ? (uint64_t)a->tree_mask[t] : 0;
+        const int ctx = bits ? base_ctx + __builtin_popcountll(bits) : base_ctx + i + 1;
+        const int nseg = (ctx + QD_SEGMENT - 1) / QD_SEGMENT;
+        for (int h = 0; h < a->kv_heads; ++h) {
+            const float* slot = task->part + (size_t)(i * a->kv_heads + h) * task->nseg
+                                                 * (GD + 2 * G);
+            for (int seg = 0; seg < nseg; ++seg, slot += GD + 2 * G)
+                fold_segment(fa, fm, fl, slot, slot + GD, slot + GD + G, G, D, seg == 0);
+            write_lane(a, t, h, fa, fl);
+        }
+    }
 }
 
 /* Which lane every call runs: 0 the fp32 lane (AVX2 + FMA), 1 the AVX512-BF16 dot lane
@@ -334,75 +425,28 @@ static int prepare(Args* a, long long* total, const void* q, size_t ldq, const v
     return QD_OK;
 }
 
-/* Cuts sequence s's q_len rows into parts groups of consecutive rows (sizes differ by at
- * most one), each with kv heads [h0, h1), appended to tasks[*n]. */
-static void add_tasks(const Args* a, int s, int parts, int h0, int h1, Task* tasks, int* n) {
-    const int first = a->qsl == NULL ? s : a->qsl[s];
-    const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - first;
-    const long long ctx = a->seq_lens[s];
-    for (int k = 0; k < parts; ++k) {
-        Task* t = &tasks[(*n)++];
-        t->s = s;
-        t->t0 = first + (int)((long long)q_len * k / parts);
-        t->t1 = first + (int)((long long)q_len * (k + 1) / parts);
-        t->h0 = h0;
-        t->h1 = h1;
-        t->cost = (long long)(t->t1 - t->t0) * (h1 - h0) * ctx;
-    }
-}
-
-static int by_cost_desc(const void* x, const void* y) {
-    const long long cx = ((const Task*)x)->cost, cy = ((const Task*)y)->cost;
-    return (cx < cy) - (cx > cy);
-}
-
-/* The tasks of a prepared call, costliest first (so a dynamic schedule balances threads).
- * With enough sequences to keep nthreads busy (two each), a task takes all kv heads of a
- * sequence's rows: it streams that sequence's K/V contiguously, once. With fewer, a task
- * takes one kv head, and rows are cut into groups until there are enough tasks. Each task has at most QD_MAX_ROWS rows
- * and QD_MAX_LANES (row, kv head) lanes of QD_ROW_FLOATS floats of q in all. How rows and
- * heads are grouped never changes a lane's arithmetic. tasks: room for num_tokens *
- * kv_heads. Returns how many were filled. */
-static int make_tasks(const Args* a, int nthreads, Task* tasks) {
-    const int GD = a->heads / a->kv_heads * a->d, KH = a->kv_heads;
-    const int want = nthreads > 1 ? 2 * nthreads : 1;
-    /* most rows per task with all heads (0: too many heads for one task), and with one */
-    int rmax_all = QD_ROW_FLOATS / (GD * KH);
-    if (rmax_all > QD_MAX_LANES / KH) rmax_all = QD_MAX_LANES / KH;
-    if (rmax_all > QD_MAX_ROWS) rmax_all = QD_MAX_ROWS;
-    int rmax_one = QD_ROW_FLOATS / GD;
-    if (rmax_one > QD_MAX_ROWS) rmax_one = QD_MAX_ROWS;
-    int active = 0;
-    for (int s = 0; s < a->num_seqs; ++s) active += a->qsl == NULL || a->qsl[s + 1] > a->qsl[s];
-    int n = 0;
-    if (active == 0) return 0;
-    const int all_heads = rmax_all >= 1 && active >= want;
-    const int rmax = all_heads ? rmax_all : rmax_one;
-    /* one head per task: cut rows into as many groups as it takes to have want tasks */
-    const int split = all_heads ? 1 : (want + active * KH - 1) / (active * KH);
-    for (int s = 0; s < a->num_seqs; ++s) {
-        const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - a->qsl[s];
-        if (q_len <= 0) continue;
-        int parts = (q_len + rmax - 1) / rmax;
-        if (parts < split) parts = split > q_len ? q_len : split;
-        if (all_heads)
-            add_tasks(a, s, parts, 0, KH, tasks, &n);
-        else
-            for (int h = 0; h < KH; ++h) add_tasks(a, s, parts, h, h + 1, tasks, &n);
-    }
-    qsort(tasks, (size_t)n, sizeof(Task), by_cost_desc);
-    return n;
-}
-
 /* Every task of a prepared call, on nthreads threads (<= 0: OpenMP's default) when the work
- * is large enough. Returns 0, or a task's negative code (bad block id, seq_len / q_len, no
- * memory); on an error the output is unspecified. */
+ * is large enough, then the merge of split sequences. Returns 0, or a task's negative code
+ * (bad block id, seq_len / q_len, no memory); on an error the output is unspecified. */
 static int run_tasks(const Args* a, int num_tokens, long long total, int nthreads) {
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     if (total <= QD_PAR_CTX) nthreads = 1;
-    Task* tasks = malloc((size_t)(num_tokens > 0 ? num_tokens : 1) * a->kv_heads * sizeof(Task));
+    const int room = (num_tokens > 0 ? num_tokens : 1) * a->kv_heads
+                     + a->num_seqs * (nthreads > 1 ? 2 * nthreads : 1);
+    Task* tasks = malloc((size_t)room * sizeof(Task));
     if (tasks == NULL) return QD_ENOMEM;
-    const int n = make_tasks(a, nthreads, tasks);
+    size_t part_floats = 0;
+    const int n = make_tasks(a, nthreads, tasks, &part_floats);
+    float* parts = NULL;
+    if (part_floats > 0) {
+        parts = malloc(part_floats * sizeof(float));
+        if (parts == NULL) {
+            free(tasks);
+            return QD_ENOMEM;
+        }
+        for (int t = 0; t < n; ++t)
+            if (tasks[t].part != NULL) tasks[t].part = parts + ((uintptr_t)tasks[t].part - 1);
+    }
     if (n < QD_PAR_TASKS) nthreads = 1;
     if (nthreads > n) nthreads = n;
     int err = QD_OK;
@@ -418,6 +462,10 @@ static int run_tasks(const Args* a, int num_tokens, long long total, int nthread
             }
         }
     }
+    if (err == QD_OK && parts != NULL)
+        for (int t = 0; t < n; ++t) /* once per split sequence: at its first part */
+            if (tasks[t].part != NULL && tasks[t].plo == 0) merge_split(a, &tasks[t]);
+    free(parts);
     free(tasks);
     return err;
 }

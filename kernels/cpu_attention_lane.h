@@ -157,6 +157,40 @@ QD_INLINE void softmax_step(float* sc, float* acc, float* m, float* l, int n, in
     }
 }
 
+/* Positions a lane's online softmax runs over before it starts afresh: a row's visible
+ * positions are cut into segments of QD_SEGMENT (by visible index, so at fixed places
+ * whatever the call), each walked chunk by chunk from a fresh state, and the segments' states
+ * are folded left to right by fold_segment. So a long context can be split between threads
+ * at segment boundaries without changing a lane's bits. */
+#define QD_SEGMENT 64
+_Static_assert(QD_SEGMENT % QD_CHUNK == 0, "a segment is whole chunks");
+
+/* Folds one segment's state of G heads (acc [G][D], m, l [G]) into a lane's running fold
+ * (fa [G][D], fm, fl [G]): the first segment is copied; a later one is merged as two online-
+ * softmax states are, M = max(fm, m): fa = fa e^(fm - M) + acc e^(m - M), fl likewise. The
+ * same instructions wherever it runs (in a task or in the merge after split tasks). */
+static QD_TARGET void fold_segment(float* fa, float* fm, float* fl, const float* acc,
+                                   const float* m, const float* l, int G, int D, int first) {
+    for (int g = 0; g < G; ++g) {
+        float* fg = fa + (size_t)g * D;
+        const float* ag = acc + (size_t)g * D;
+        if (first) {
+            for (int dd = 0; dd < D; dd += 8) _mm256_storeu_ps(fg + dd, _mm256_loadu_ps(ag + dd));
+            fm[g] = m[g];
+            fl[g] = l[g];
+            continue;
+        }
+        const float mx = m[g] > fm[g] ? m[g] : fm[g];
+        const float wa = expf(fm[g] - mx), wb = expf(m[g] - mx);
+        fl[g] = fmaf(l[g], wb, fl[g] * wa);
+        fm[g] = mx;
+        const __m256 va = _mm256_set1_ps(wa), vb = _mm256_set1_ps(wb);
+        for (int dd = 0; dd < D; dd += 8)
+            _mm256_storeu_ps(fg + dd, _mm256_fmadd_ps(_mm256_loadu_ps(ag + dd), vb,
+                                                     _mm256_mul_ps(_mm256_loadu_ps(fg + dd), va)));
+    }
+}
+
 /* One row's online-softmax step over a chunk of n converted positions, for its G heads.
  * qs [G][D] (q pre-scaled), acc [G][D], m, l [G] are the row's running state; sc is
  * [G][QD_CHUNK] scratch. The arithmetic depends only on the row's state and the chunk. */

@@ -1,0 +1,132 @@
+/* The tasks of one cpu_attention.c call: which rows, kv heads and positions each takes.
+ * Included once, by cpu_attention.c, after its Args (kernels/cbuild.py expands it into the
+ * one source it builds). How rows, heads and positions are grouped never changes a lane's
+ * arithmetic (the segments are fixed by visible index: cpu_attention_lane.h, QD_SEGMENT);
+ * it only decides how the work spreads over threads and how the K/V stream is read. */
+#ifndef QD_CPU_ATTENTION_TASKS_H
+#define QD_CPU_ATTENTION_TASKS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+/* One task: query rows [t0, t1) of sequence s (consecutive tokens), kv heads [h0, h1), over
+ * the visible positions [plo, phi) (multiples of QD_SEGMENT; phi INT32_MAX: to each row's end).
+ * part: NULL, or (a part of a split sequence) where its lanes' segment states go: lane (row i
+ * of the sequence, kv head h), segment g at float ((i * kv_heads + h) * nseg + g) *
+ * (G * D + 2 G), holding acc [G][D], m [G], l [G]. */
+typedef struct {
+    int s, t0, t1, h0, h1;
+    int plo, phi, nseg;
+    float* part;
+    long long cost; /* rows * heads * visible positions (an estimate, for the task order) */
+} Task;
+
+/* Cuts sequence s's q_len rows into parts groups of consecutive rows (sizes differ by at
+ * most one), each with kv heads [h0, h1) over all its positions, appended to tasks[*n]. */
+static void add_tasks(const Args* a, int s, int parts, int h0, int h1, Task* tasks, int* n) {
+    const int first = a->qsl == NULL ? s : a->qsl[s];
+    const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - first;
+    const long long ctx = a->seq_lens[s];
+    for (int k = 0; k < parts; ++k) {
+        Task* t = &tasks[(*n)++];
+        t->s = s;
+        t->t0 = first + (int)((long long)q_len * k / parts);
+        t->t1 = first + (int)((long long)q_len * (k + 1) / parts);
+        t->h0 = h0;
+        t->h1 = h1;
+        t->plo = 0;
+        t->phi = INT32_MAX;
+        t->nseg = 0;
+        t->part = NULL;
+        t->cost = (long long)(t->t1 - t->t0) * (h1 - h0) * ctx;
+    }
+}
+
+/* Cuts sequence s (all its rows and kv heads in each task) into up to parts runs of whole
+ * segments, appended to tasks[*n]; every cut lies below every row's end (at most the
+ * positions before its new tokens), so each part sees some of every lane. part_off: the
+ * floats of segment states the parts share (see Task), added to *part_floats; the tasks'
+ * part holds that offset until run_tasks allocates. Returns how many parts. */
+static int add_split(const Args* a, int s, int parts, Task* tasks, int* n,
+                     size_t* part_floats) {
+    const int first = a->qsl == NULL ? s : a->qsl[s];
+    const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - first;
+    const int ctx = a->seq_lens[s], top = (ctx - q_len) / QD_SEGMENT; /* cuts: 1..top segs */
+    const int nseg = (ctx + QD_SEGMENT - 1) / QD_SEGMENT, G = a->heads / a->kv_heads;
+    int made = 0, prev = 0;
+    for (int k = 1; k <= parts; ++k) {
+        int cut = k == parts ? INT32_MAX : (int)((long long)nseg * k / parts);
+        if (cut != INT32_MAX && cut > top) cut = top;
+        if (cut != INT32_MAX && cut <= prev) continue;
+        Task* t = &tasks[(*n)++];
+        t->s = s;
+        t->t0 = first;
+        t->t1 = first + q_len;
+        t->h0 = 0;
+        t->h1 = a->kv_heads;
+        t->plo = prev * QD_SEGMENT;
+        t->phi = cut == INT32_MAX ? INT32_MAX : cut * QD_SEGMENT;
+        t->nseg = nseg;
+        t->part = (float*)(uintptr_t)(*part_floats + 1); /* an offset + 1 until allocated */
+        t->cost = (long long)q_len * a->kv_heads
+                  * ((cut == INT32_MAX ? ctx : t->phi) - t->plo);
+        prev = cut;
+        ++made;
+    }
+    *part_floats += (size_t)q_len * a->kv_heads * nseg * (G * a->d + 2 * G);
+    return made;
+}
+
+static int by_cost_desc(const void* x, const void* y) {
+    const long long cx = ((const Task*)x)->cost, cy = ((const Task*)y)->cost;
+    return (cx < cy) - (cx > cy);
+}
+
+/* The tasks of a prepared call, costliest first (so a dynamic schedule balances threads).
+ * With enough sequences to keep nthreads busy (two each), a task takes all kv heads of a
+ * sequence's rows: it streams that sequence's K/V contiguously, once. With fewer, a sequence
+ * whose rows fit one task and whose context before its new tokens holds a whole segment is
+ * cut by positions into runs of segments (all heads still streamed together); any other
+ * takes one kv head a task, its rows cut into groups until there are enough tasks. Each task
+ * has at most QD_MAX_ROWS rows and QD_MAX_LANES (row, kv head) lanes of QD_ROW_FLOATS floats
+ * of q in all. How rows, heads and positions are grouped never changes a lane's arithmetic.
+ * tasks: room for num_tokens * kv_heads + num_seqs * 2 * nthreads. *part_floats: the floats
+ * split sequences need (0: none). Returns how many tasks were filled. */
+static int make_tasks(const Args* a, int nthreads, Task* tasks, size_t* part_floats) {
+    const int GD = a->heads / a->kv_heads * a->d, KH = a->kv_heads;
+    const int want = nthreads > 1 ? 2 * nthreads : 1;
+    /* most rows per task with all heads (0: too many heads for one task), and with one */
+    int rmax_all = QD_ROW_FLOATS / (GD * KH);
+    if (rmax_all > QD_MAX_LANES / KH) rmax_all = QD_MAX_LANES / KH;
+    if (rmax_all > QD_MAX_ROWS) rmax_all = QD_MAX_ROWS;
+    int rmax_one = QD_ROW_FLOATS / GD;
+    if (rmax_one > QD_MAX_ROWS) rmax_one = QD_MAX_ROWS;
+    int active = 0;
+    for (int s = 0; s < a->num_seqs; ++s) active += a->qsl == NULL || a->qsl[s + 1] > a->qsl[s];
+    int n = 0;
+    *part_floats = 0;
+    if (active == 0) return 0;
+    const int all_heads = rmax_all >= 1 && active >= want;
+    const int rmax = all_heads ? rmax_all : rmax_one;
+    /* one head per task: cut rows into as many groups as it takes to have want tasks */
+    const int split = all_heads ? 1 : (want + active * KH - 1) / (active * KH);
+    for (int s = 0; s < a->num_seqs; ++s) {
+        const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - a->qsl[s];
+        if (q_len <= 0) continue;
+        if (!all_heads && rmax_all >= q_len && a->seq_lens[s] - q_len >= QD_SEGMENT) {
+            /* (at least two parts: a cut at the first segment's end is always there) */
+            add_split(a, s, (nthreads + active - 1) / active, tasks, &n, part_floats);
+            continue;
+        }
+        int parts = (q_len + rmax - 1) / rmax;
+        if (parts < split) parts = split > q_len ? q_len : split;
+        if (all_heads)
+            add_tasks(a, s, parts, 0, KH, tasks, &n);
+        else
+            for (int h = 0; h < KH; ++h) add_tasks(a, s, parts, h, h + 1, tasks, &n);
+    }
+    qsort(tasks, (size_t)n, sizeof(Task), by_cost_desc);
+    return n;
+}
+
+#endif
