@@ -42,9 +42,9 @@ from quickdraft.engine.llm_engine import LLMEngine
 from quickdraft.kernels import cbuild, cpu_attention, cpu_layer
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = [(1, 768, 1), (8, 64, 1), (8, 768, 1),            # decode
-         (1, 768, 5), (8, 300, 3), (8, 768, 2), (8, 768, 4),  # verification
-         (1, 0, 256), (1, 512, 256)]                      # prefill chunks
+CASES = [(1, 256, 1), (1, 768, 1), (1, 2048, 1), (8, 64, 1), (8, 768, 1),  # decode
+         (1, 768, 5), (1, 2048, 4), (8, 300, 3), (8, 768, 2), (8, 768, 4),  # verification
+         (1, 0, 256), (1, 512, 256)]                                    # prefill chunks
 
 
 def build_baseline(rev: str) -> ctypes.CDLL:

@@ -115,7 +115,7 @@ static int make_tasks(const Args* a, int nthreads, Task* tasks, size_t* part_flo
         if (q_len <= 0) continue;
         if (!all_heads && rmax_all >= q_len && a->seq_lens[s] - q_len >= QD_SEGMENT) {
             /* (at least two parts: a cut at the first segment's end is always there) */
-            add_split(a, s, (nthreads + active - 1) / active, tasks, &n, part_floats);
+            add_split(a, s, (want + active - 1) / active, tasks, &n, part_floats);
             continue;
         }
         int parts = (q_len + rmax - 1) / rmax;

@@ -129,7 +129,7 @@ def test_another_attention_build_runs_in_the_layer_and_is_put_back(monkeypatch, 
     the built-in one back."""
     monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path))
     source = cbuild.read_source(cpu_attention._SOURCE)
-    doubled = source.replace(b"const float inv = 1.0f / l[", b"const float inv = 2.0f / l[")
+    doubled = source.replace(b"const float inv = 1.0f / fl[", b"const float inv = 2.0f / fl[")
     assert doubled != source
     other = ctypes.CDLL(str(cbuild.build("cpu_attention_ab", doubled, cpu_attention._CFLAGS,
                                          "gcc")))
