@@ -162,7 +162,7 @@ QD_INLINE void softmax_step(float* sc, float* acc, float* m, float* l, int n, in
  * whatever the call), each walked chunk by chunk from a fresh state, and the segments' states
  * are folded left to right by fold_segment. So a long context can be split between threads
  * at segment boundaries without changing a lane's bits. */
-#define QD_SEGMENT 64
+#define QD_SEGMENT 128
 _Static_assert(QD_SEGMENT % QD_CHUNK == 0, "a segment is whole chunks");
 
 /* Folds one segment's state of G heads (acc [G][D], m, l [G]) into a lane's running fold
