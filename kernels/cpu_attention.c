@@ -333,26 +333,25 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
 }
 
 /* Output rows of a split sequence s (task: one of its parts, holding part and nseg): each
- * lane's segment states, stored by its parts, folded in order and written out. */
-static QD_TARGET void merge_split(const Args* a, const Task* task) {
-    const int D = a->d, G = a->heads / a->kv_heads, GD = G * D, s = task->s;
+ * lane's segment states, stored by its parts, folded in order and written out; lanes spread
+ * over nthreads threads when there are several. */
+static QD_TARGET void merge_split(const Args* a, const Task* task, int nthreads) {
+    const int D = a->d, G = a->heads / a->kv_heads, GD = G * D, s = task->s, KH = a->kv_heads;
     const int first = a->qsl == NULL ? s : a->qsl[s];
     const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - first;
     const int base_ctx = a->seq_lens[s] - q_len;
-    float fa[QD_MAX_GD] __attribute__((aligned(64)));
-    float fm[64], fl[64];
-    for (int i = 0; i < q_len; ++i) {
-        const int t = first + i;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && q_len * KH >= 4)
+    for (int lane = 0; lane < q_len * KH; ++lane) {
+        const int i = lane / KH, h = lane % KH, t = first + i;
+        float fa[QD_MAX_GD] __attribute__((aligned(64)));
+        float fm[64], fl[64];
         const uint64_t bits = a->tree_mask != NULL ? (uint64_t)a->tree_mask[t] : 0;
         const int ctx = bits ? base_ctx + __builtin_popcountll(bits) : base_ctx + i + 1;
         const int nseg = (ctx + QD_SEGMENT - 1) / QD_SEGMENT;
-        for (int h = 0; h < a->kv_heads; ++h) {
-            const float* slot = task->part + (size_t)(i * a->kv_heads + h) * task->nseg
-                                                 * (GD + 2 * G);
-            for (int seg = 0; seg < nseg; ++seg, slot += GD + 2 * G)
-                fold_segment(fa, fm, fl, slot, slot + GD, slot + GD + G, G, D, seg == 0);
-            write_lane(a, t, h, fa, fl);
-        }
+        const float* slot = task->part + (size_t)lane * task->nseg * (GD + 2 * G);
+        for (int seg = 0; seg < nseg; ++seg, slot += GD + 2 * G)
+            fold_segment(fa, fm, fl, slot, slot + GD, slot + GD + G, G, D, seg == 0);
+        write_lane(a, t, h, fa, fl);
     }
 }
 
@@ -464,7 +463,7 @@ static int run_tasks(const Args* a, int num_tokens, long long total, int nthread
     }
     if (err == QD_OK && parts != NULL)
         for (int t = 0; t < n; ++t) /* once per split sequence: at its first part */
-            if (tasks[t].part != NULL && tasks[t].plo == 0) merge_split(a, &tasks[t]);
+            if (tasks[t].part != NULL && tasks[t].plo == 0) merge_split(a, &tasks[t], nthreads);
     free(parts);
     free(tasks);
     return err;

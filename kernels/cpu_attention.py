@@ -4,7 +4,7 @@
 all query heads of a kv-head group together (GQA: each K/V row is read once per group), and
 uses an online softmax in fp32 over chunks of positions, started afresh every 128 visible
 positions and folded segment by segment (so that a long context can be split between threads
-by positions without changing a bit: one decode row after 2,048 positions 0.82x the step's
+by positions without changing a bit: one decode row after ~1,800 positions ~0.8x the step's
 time on the 2-core AVX2-only EPYC, docs/kernels.md). Two lanes compute it (one per
 process, :func:`lane`): on a CPU with AVX512-BF16, q K^T and P V are bf16 pair dot products
 (``vdpbf16ps``, fp32 accumulation, P rounded to bf16 first as GPU flash attention does;
@@ -194,7 +194,7 @@ def native_entry_points() -> dict[str, int] | None:
 
 
 # Threads are offered once a call has this many (row, kv head) lanes: one decode row of a
-# 3-kv-head model is 3 one-head tasks, or, past 128 positions, runs of positions with all
+# 3-kv-head model is 3 one-head tasks, or, past 256 positions, runs of positions with all
 # heads, one a thread (the kernel itself stays serial below QD_PAR_CTX positions of work). A
 # lane's arithmetic does not depend on how tasks are spread over threads.
 _PARALLEL_LANES = 2

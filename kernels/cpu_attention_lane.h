@@ -167,27 +167,43 @@ _Static_assert(QD_SEGMENT % QD_CHUNK == 0, "a segment is whole chunks");
 
 /* Folds one segment's state of G heads (acc [G][D], m, l [G]) into a lane's running fold
  * (fa [G][D], fm, fl [G]): the first segment is copied; a later one is merged as two online-
- * softmax states are, M = max(fm, m): fa = fa e^(fm - M) + acc e^(m - M), fl likewise. The
- * same instructions wherever it runs (in a task or in the merge after split tasks). */
+ * softmax states are, M = max(fm, m): fa = fa e^(fm - M) + acc e^(m - M), fl likewise (the
+ * weights by exp_ps, 8 heads a vector). The same instructions wherever it runs (in a task or
+ * in the merge after split tasks). */
 static QD_TARGET void fold_segment(float* fa, float* fm, float* fl, const float* acc,
                                    const float* m, const float* l, int G, int D, int first) {
-    for (int g = 0; g < G; ++g) {
-        float* fg = fa + (size_t)g * D;
-        const float* ag = acc + (size_t)g * D;
-        if (first) {
-            for (int dd = 0; dd < D; dd += 8) _mm256_storeu_ps(fg + dd, _mm256_loadu_ps(ag + dd));
+    if (first) {
+        for (int x = 0; x < G * D; x += 8) _mm256_storeu_ps(fa + x, _mm256_loadu_ps(acc + x));
+        for (int g = 0; g < G; ++g) {
             fm[g] = m[g];
             fl[g] = l[g];
-            continue;
         }
-        const float mx = m[g] > fm[g] ? m[g] : fm[g];
-        const float wa = expf(fm[g] - mx), wb = expf(m[g] - mx);
-        fl[g] = fmaf(l[g], wb, fl[g] * wa);
-        fm[g] = mx;
-        const __m256 va = _mm256_set1_ps(wa), vb = _mm256_set1_ps(wb);
-        for (int dd = 0; dd < D; dd += 8)
-            _mm256_storeu_ps(fg + dd, _mm256_fmadd_ps(_mm256_loadu_ps(ag + dd), vb,
-                                                     _mm256_mul_ps(_mm256_loadu_ps(fg + dd), va)));
+        return;
+    }
+    for (int g0 = 0; g0 < G; g0 += 8) { /* 8 heads' weights at a time (exp_ps, as the chunks) */
+        const int n = G - g0 < 8 ? G - g0 : 8;
+        float t[3][8] __attribute__((aligned(32))) = {{0}};
+        for (int g = 0; g < n; ++g) {
+            t[0][g] = fm[g0 + g];
+            t[1][g] = m[g0 + g];
+        }
+        const __m256 old = _mm256_load_ps(t[0]), seg = _mm256_load_ps(t[1]);
+        const __m256 mx = _mm256_max_ps(old, seg);
+        const __m256 wa = exp_ps(_mm256_sub_ps(old, mx)), wb = exp_ps(_mm256_sub_ps(seg, mx));
+        _mm256_store_ps(t[0], wa);
+        _mm256_store_ps(t[1], wb);
+        _mm256_store_ps(t[2], mx);
+        for (int g = 0; g < n; ++g) {
+            const int h = g0 + g;
+            fl[h] = fmaf(l[h], t[1][g], fl[h] * t[0][g]);
+            fm[h] = t[2][g];
+            const __m256 va = _mm256_set1_ps(t[0][g]), vb = _mm256_set1_ps(t[1][g]);
+            float* fh = fa + (size_t)h * D;
+            const float* ah = acc + (size_t)h * D;
+            for (int dd = 0; dd < D; dd += 8)
+                _mm256_storeu_ps(fh + dd, _mm256_fmadd_ps(_mm256_loadu_ps(ah + dd), vb,
+                                                         _mm256_mul_ps(_mm256_loadu_ps(fh + dd), va)));
+        }
     }
 }
 

@@ -85,8 +85,8 @@ static int by_cost_desc(const void* x, const void* y) {
 /* The tasks of a prepared call, costliest first (so a dynamic schedule balances threads).
  * With enough sequences to keep nthreads busy (two each), a task takes all kv heads of a
  * sequence's rows: it streams that sequence's K/V contiguously, once. With fewer, a sequence
- * whose rows fit one task and whose context before its new tokens holds a whole segment is
- * cut by positions into runs of segments (all heads still streamed together); any other
+ * whose rows fit one task and whose context before its new tokens holds two whole segments
+ * is cut by positions into runs of segments (all heads still streamed together); any other
  * takes one kv head a task, its rows cut into groups until there are enough tasks. Each task
  * has at most QD_MAX_ROWS rows and QD_MAX_LANES (row, kv head) lanes of QD_ROW_FLOATS floats
  * of q in all. How rows, heads and positions are grouped never changes a lane's arithmetic.
@@ -113,8 +113,8 @@ static int make_tasks(const Args* a, int nthreads, Task* tasks, size_t* part_flo
     for (int s = 0; s < a->num_seqs; ++s) {
         const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - a->qsl[s];
         if (q_len <= 0) continue;
-        if (!all_heads && rmax_all >= q_len && a->seq_lens[s] - q_len >= QD_SEGMENT) {
-            /* (at least two parts: a cut at the first segment's end is always there) */
+        if (!all_heads && rmax_all >= q_len && a->seq_lens[s] - q_len >= 2 * QD_SEGMENT) {
+            /* (at least two parts: cuts at the first segments' ends are always there) */
             add_split(a, s, (want + active - 1) / active, tasks, &n, part_floats);
             continue;
         }

@@ -193,10 +193,11 @@ def _path_cache(step: Step, s: int, path: list[int]) -> torch.Tensor:
 
 
 @needs_kernel
-# (8, 124): tree rows across a softmax segment boundary (QD_SEGMENT); (8, 130), (12, 517):
-# few enough rows that with 2 threads the kernel splits the sequence by positions
+# (8, 124): tree rows across a softmax segment boundary (QD_SEGMENT, 128); (8, 600),
+# (12, 517): few enough rows, and context enough, that with 2 threads the kernel splits the
+# sequence by positions
 @pytest.mark.parametrize("n,base", [(8, 0), (8, 3), (64, 30), (64, 517), (40, 33), (8, 124),
-                                    (8, 130), (12, 517)])
+                                    (8, 600), (12, 517)])
 @pytest.mark.parametrize("others", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5),
                                                            (4, 4, 64, 1)])
