@@ -27,7 +27,7 @@
  * that all its rows see whole at the same positions (a long context is memory-bound, so
  * verification rows and prefill rows ride on one stream of the cache). With enough
  * sequences a task takes all kv heads (contiguous in the cache); with few, a sequence past
- * one segment is cut into runs of positions (all heads), a shorter one into one kv head and
+ * two segments is cut into runs of positions (all heads), a shorter one into one kv head and
  * fewer rows a task, so that the threads have work.
  * Positions are walked in chunks of QD_CHUNK with an online softmax (running max and sum per
  * head; the accumulator is rescaled once per chunk), so no [ctx] buffer is needed. Every
@@ -244,7 +244,7 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
      * computed */
     const int shared_all = common - common % QD_CHUNK;
     const int shared = shared_all < hi ? shared_all : hi;
-    int bi = lo / bs - 1, bo = bs; /* block index in the table, offset in the block (no divisions) */
+    int bi = lo / bs - 1, bo = bs; /* block index in the table, offset in the block */
     size_t base = 0;
     if (lo < shared && lo % bs) {
         bi = lo / bs;

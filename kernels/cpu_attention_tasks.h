@@ -44,9 +44,9 @@ static void add_tasks(const Args* a, int s, int parts, int h0, int h1, Task* tas
 
 /* Cuts sequence s (all its rows and kv heads in each task) into up to parts runs of whole
  * segments, appended to tasks[*n]; every cut lies below every row's end (at most the
- * positions before its new tokens), so each part sees some of every lane. part_off: the
- * floats of segment states the parts share (see Task), added to *part_floats; the tasks'
- * part holds that offset until run_tasks allocates. Returns how many parts. */
+ * positions before its new tokens), so each part sees some of every lane. The floats of
+ * segment states its parts share (see Task) are added to *part_floats; until run_tasks
+ * allocates them, the tasks' part holds their offset + 1. Returns how many parts. */
 static int add_split(const Args* a, int s, int parts, Task* tasks, int* n,
                      size_t* part_floats) {
     const int first = a->qsl == NULL ? s : a->qsl[s];
