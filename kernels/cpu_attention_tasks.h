@@ -9,6 +9,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+/* Most floats of segment states a call's split sequences may need (8 MB, allocated per
+ * call): a longer context, with its rows, is not split (one-head tasks instead). SmolLM2's
+ * 8,192 positions with 14 rows need 0.53 M. */
+#define QD_SPLIT_FLOATS ((size_t)2 << 20)
+
 /* One task: query rows [t0, t1) of sequence s (consecutive tokens), kv heads [h0, h1), over
  * the visible positions [plo, phi) (multiples of QD_SEGMENT; phi INT32_MAX: to each row's end).
  * part: NULL, or (a part of a split sequence) where its lanes' segment states go: lane (row i
@@ -86,7 +91,8 @@ static int by_cost_desc(const void* x, const void* y) {
  * With enough sequences to keep nthreads busy (two each), a task takes all kv heads of a
  * sequence's rows: it streams that sequence's K/V contiguously, once. With fewer, a sequence
  * whose rows fit one task and whose context before its new tokens holds two whole segments
- * is cut by positions into runs of segments (all heads still streamed together); any other
+ * is cut by positions into runs of segments (all heads still streamed together; up to
+ * QD_SPLIT_FLOATS of segment states a call); any other
  * takes one kv head a task, its rows cut into groups until there are enough tasks. Each task
  * has at most QD_MAX_ROWS rows and QD_MAX_LANES (row, kv head) lanes of QD_ROW_FLOATS floats
  * of q in all. How rows, heads and positions are grouped never changes a lane's arithmetic.
@@ -113,7 +119,10 @@ static int make_tasks(const Args* a, int nthreads, Task* tasks, size_t* part_flo
     for (int s = 0; s < a->num_seqs; ++s) {
         const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - a->qsl[s];
         if (q_len <= 0) continue;
-        if (!all_heads && rmax_all >= q_len && a->seq_lens[s] - q_len >= 2 * QD_SEGMENT) {
+        const int nseg = (a->seq_lens[s] + QD_SEGMENT - 1) / QD_SEGMENT;
+        const size_t need = (size_t)q_len * KH * nseg * (GD + 2 * (GD / a->d));
+        if (!all_heads && rmax_all >= q_len && a->seq_lens[s] - q_len >= 2 * QD_SEGMENT
+            && *part_floats + need <= QD_SPLIT_FLOATS) {
             /* (at least two parts: cuts at the first segments' ends are always there) */
             add_split(a, s, (want + active - 1) / active, tasks, &n, part_floats);
             continue;

@@ -469,3 +469,19 @@ def test_loaded_lane_never_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     not_loaded = functools._CacheInfo(hits=0, misses=0, maxsize=1, currsize=0)  # type: ignore[attr-defined]
     monkeypatch.setattr(cpu_attention._lib, "cache_info", lambda: not_loaded)
     assert cpu_attention.loaded_lane() is None  # not loaded: None, nothing built
+
+
+@needs_kernel
+@pytest.mark.parametrize("ctx", [2000, 40000])
+def test_verification_rows_keep_their_bits_split_or_not(ctx: int) -> None:
+    """8 rows of one sequence on 2 threads: after 2,000 positions the kernel cuts the sequence
+    by positions, after 40,000 its segment states would pass QD_SPLIT_FLOATS and it does not;
+    either way each row has the bits of that row decoded alone on 1 thread."""
+    q, kv, bt, sl, qsl, _ = _ragged_case([8], [ctx], 16, 8, 1, 128, seed=ctx)
+    ragged = _with_threads(2, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.09)
+    assert ragged is not None
+    for i in (0, 7):
+        one_sl = torch.tensor([ctx - 8 + 1 + i], dtype=torch.int32)
+        dec = _with_threads(1, cpu_attention.decode_attention, q[i:i + 1].clone(), kv, bt,
+                            one_sl, 0.09)
+        assert dec is not None and torch.equal(ragged[i], dec[0]), i
