@@ -78,12 +78,16 @@ def test_cpu_smoke_run(tmp_path: Path):
         assert r["step_ms"] > 0 and r["tok_s"] > 0 and r["floor_ms"] > 0
         assert r["floor_ratio"] == pytest.approx(r["step_ms"] / r["floor_ms"])
         assert r["tok_s"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3))
-    for r in hf:
-        assert r["tok_s"] > 0 and r["step_ms"] > 0
+    for r in hf:  # (HF's step is a difference of two single timings with --quick: on a
+        # loaded machine it can come out <= 0, which the benchmark reports as "-")
+        assert (r["tok_s"] is None) == (r["step_ms"] is None)
+        assert r["step_ms"] is None or (r["tok_s"] > 0 and r["step_ms"] > 0)
+    assert any(r["step_ms"] is not None for r in hf)
     model = saved["models"]["tiny"]
     assert model["bytes_per_step"] > 0 and model["runners"][0]["parameters_match"]
     [goal] = saved["goals"]
-    assert goal["model"] == "tiny" and goal["vs_hf"] > 0 and goal["met"] is None
+    assert goal["model"] == "tiny" and goal["met"] is None
+    assert goal["vs_hf"] is None or goal["vs_hf"] > 0
 
 
 @pytest.mark.cuda
