@@ -163,9 +163,7 @@ static QD_TARGET void end_segment(const Args* a, const Task* task, LaneState* st
         const size_t lane = (size_t)r * st->nh + h;
         float *acc = st->acc + lane * GD, *m = st->m + lane * G, *l = st->l + lane * G;
         if (task->part != NULL) {
-            const size_t row = (size_t)(task->t0 + r - first);
-            float* slot = task->part + ((row * a->kv_heads + task->h0 + h) * task->nseg + seg)
-                                           * (GD + 2 * G);
+            float* slot = segment_slot(a, task, task->t0 + r - first, task->h0 + h, seg);
             memcpy(slot, acc, (size_t)GD * sizeof(float));
             memcpy(slot + GD, m, (size_t)G * sizeof(float));
             memcpy(slot + GD + G, l, (size_t)G * sizeof(float));
@@ -348,7 +346,7 @@ static QD_TARGET void merge_split(const Args* a, const Task* task, int nthreads)
         const uint64_t bits = a->tree_mask != NULL ? (uint64_t)a->tree_mask[t] : 0;
         const int ctx = bits ? base_ctx + __builtin_popcountll(bits) : base_ctx + i + 1;
         const int nseg = (ctx + QD_SEGMENT - 1) / QD_SEGMENT;
-        const float* slot = task->part + (size_t)lane * task->nseg * (GD + 2 * G);
+        const float* slot = segment_slot(a, task, i, h, 0);
         for (int seg = 0; seg < nseg; ++seg, slot += GD + 2 * G)
             fold_segment(fa, fm, fl, slot, slot + GD, slot + GD + G, G, D, seg == 0);
         write_lane(a, t, h, fa, fl);

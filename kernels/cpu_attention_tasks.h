@@ -26,6 +26,12 @@ typedef struct {
     long long cost; /* rows * heads * visible positions (an estimate, for the task order) */
 } Task;
 
+/* Where a split sequence's lane (its row i, kv head h) keeps segment seg's state (Task). */
+static inline float* segment_slot(const Args* a, const Task* t, int i, int h, int seg) {
+    const int G = a->heads / a->kv_heads;
+    return t->part + (((size_t)i * a->kv_heads + h) * t->nseg + seg) * (G * a->d + 2 * G);
+}
+
 /* Cuts sequence s's q_len rows into parts groups of consecutive rows (sizes differ by at
  * most one), each with kv heads [h0, h1) over all its positions, appended to tasks[*n]. */
 static void add_tasks(const Args* a, int s, int parts, int h0, int h1, Task* tasks, int* n) {
