@@ -10,6 +10,7 @@ each)``: decode steps (1 row), verification steps (1 + drafts rows) and prefill 
 (0 cached positions).
 
     python benchmarks/attention_ab.py --baseline 1b26f57 [--repeats 15] [--tag attn]
+        [--cases 1x100x1,8x768x2]   (sequences x cached positions x rows; default CASES)
 
 writes ``benchmarks/results/attention_ab[_TAG].{json,png}`` and prints a markdown table.
 """
@@ -47,6 +48,18 @@ CASES = [(1, 256, 1), (1, 768, 1), (1, 2048, 1), (8, 64, 1), (8, 768, 1),  # dec
          (1, 0, 256), (1, 512, 256)]                                    # prefill chunks
 
 
+def parse_cases(text: str) -> list[tuple[int, int, int]]:
+    """``"1x256x1,8x64x1"`` -> ``[(1, 256, 1), (8, 64, 1)]``."""
+    cases = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts) or int(parts[0]) < 1 \
+                or int(parts[2]) < 1:
+            raise argparse.ArgumentTypeError(f"not SEQUENCESxPOSITIONSxROWS: {item!r}")
+        cases.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return cases
+
+
 def build_baseline(rev: str) -> ctypes.CDLL:
     """``kernels/cpu_attention.c`` (and the headers beside it) as of ``rev``, built and
     loaded under its own cache name."""
@@ -68,6 +81,8 @@ def main() -> int:
     p.add_argument("--baseline", required=True, help="git revision of the old kernel")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--tag", default="")
+    p.add_argument("--cases", type=parse_cases, default=CASES,
+                   help="comma-separated SEQUENCESxPOSITIONSxROWS (default: the built-in set)")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(max_num_seqs=8, measure_step_cost=False))
     if not cpu_layer.available():
@@ -77,7 +92,7 @@ def main() -> int:
     kernels = {"old": old, "new": None}
     runner = engine.runner
     rows, data = [], []
-    for batch, context, width in CASES:
+    for batch, context, width in args.cases:
         times: dict[str, list[float]] = {"old": [], "new": []}
         for rep in range(args.repeats + 2):  # the first two warm up
             order = ("old", "new") if rep % 2 == 0 else ("new", "old")
