@@ -297,14 +297,23 @@ def test_ragged_threads_do_not_change_bits() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("ctx", [300, 1024])
-def test_one_decode_row_on_two_threads_keeps_its_bits(ctx: int) -> None:
+@pytest.mark.parametrize("lane", cpu_attention.LANES)
+@pytest.mark.parametrize("ctx", [100, 300, 1024])
+def test_one_decode_row_on_two_threads_keeps_its_bits(ctx: int, lane: str) -> None:
     """A lone decode row of a 3-kv-head model (3 lanes: since 2026-11-27 enough to be
-    offered threads, `_PARALLEL_LANES`) gives the same bits on 1 and 2 threads."""
+    offered threads, `_PARALLEL_LANES`) gives the same bits on 1 and 2 threads, in each
+    attention lane this CPU has: after 100 positions (threaded since the kernel's
+    QD_PAR_CTX became 64; one-head tasks), 300 and 1,024 (cut by positions)."""
+    if lane == "dot" and not cpu_attention.dot_supported():
+        pytest.skip("needs AVX512-BF16")
     q, kv, bt, sl, qsl, _ = _ragged_case([1], [ctx], 16, 9, 3, 64, seed=6)
     assert cpu_attention._PARALLEL_LANES <= 3
-    one = _with_threads(1, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.125)
-    two = _with_threads(2, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.125)
+    before = cpu_attention.set_lane(lane)
+    try:
+        one = _with_threads(1, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.125)
+        two = _with_threads(2, cpu_attention.ragged_attention, q, kv, bt, sl, qsl, 0.125)
+    finally:
+        cpu_attention.set_lane(before)
     assert one is not None and torch.equal(one, two)
 
 
