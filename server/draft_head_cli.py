@@ -72,6 +72,12 @@ def add_draft_head_parser(sub: argparse._SubParsersAction) -> None:  # type: ign
                        help="optimiser steps between checkpoints")
     train.add_argument("--max-seq-len", type=int, default=768,
                        help="longest training sequence in tokens")
+    train.add_argument("--reuse-corpus", type=Path, default=None, metavar="HEAD_DIR",
+                       help="also train on the answers in this head directory's suffix "
+                            "corpus (an earlier run's answers; their prompts are not kept, "
+                            "so each follows an empty user turn)")
+    train.add_argument("--compare-head", type=Path, default=None, metavar="HEAD_DIR",
+                       help="evaluate this head on the same held-apart data too")
     train.set_defaults(func=run_train)
     corpus = hsub.add_parser(
         "corpus", help="write the suffix corpus (the target's answers in a training work "
@@ -102,7 +108,8 @@ def run_train(args: argparse.Namespace) -> int:
         max_train_minutes=args.max_train_minutes, device=args.device, data=args.data,
         num_self_prompts=args.self_prompts, num_follow_ups=args.follow_ups,
         generate_batch=args.generate_batch, max_generate_minutes=args.max_generate_minutes,
-        max_seq_len=args.max_seq_len, checkpoint_every=args.checkpoint_every)
+        max_seq_len=args.max_seq_len, checkpoint_every=args.checkpoint_every,
+        reuse_corpus=args.reuse_corpus, compare_head=args.compare_head)
     report = run(config)
     print(json.dumps({"head": str(args.out), "eval": report["eval"],
                       "timings_s": report["timings_s"]}, indent=2))

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from quickdraft.engine.models.llama import LlamaForCausalLM
 from quickdraft.engine.step_plan import StepPlan
+from quickdraft.spec.suffix_corpus import CORPUS_CONFIG, read_tokens, tokens_file
 
 TOP_K = 8  # soft-label tokens kept per position
 
@@ -184,3 +185,44 @@ def token_counts(rows: list[dict[str, Any]], vocab_size: int,
         ids = torch.tensor(key(row), dtype=torch.int64)
         counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
     return counts
+
+
+def corpus_rows(head_dir: Path, fingerprint: str, prompt_ids: list[int],
+                ) -> list[dict[str, Any]]:
+    """The answers of ``head_dir``'s suffix corpus (an earlier head's training answers: the
+    target's own greedy text) as training rows, each after ``prompt_ids``: the corpus keeps
+    no prompts, so a reused answer is fed after a stand-in user turn. The target's features
+    and next-token labels are recomputed over it, so a row is still exact self-distillation,
+    only of text whose opening does not follow from its context. ValueError if the corpus
+    is another target's."""
+    config_path = head_dir / CORPUS_CONFIG
+    if not config_path.is_file():
+        raise ValueError(f"reuse_corpus {head_dir}: no {CORPUS_CONFIG}")
+    found = json.loads(config_path.read_text()).get("target_fingerprint")
+    if found != fingerprint:
+        raise ValueError(f"reuse_corpus {head_dir}: target_fingerprint {found!r} is not this "
+                         f"model's {fingerprint!r}")
+    flat = read_tokens(tokens_file(head_dir))  # [n] int32, -1 between answers
+    ends = (flat == -1).nonzero()[0].tolist()
+    rows, start = [], 0
+    for index, end in enumerate(ends):
+        if end > start:
+            rows.append({"prompt": f"corpus:{head_dir.name}/{index}",
+                         "prompt_ids": list(prompt_ids),
+                         "output_ids": flat[start:end].tolist()})
+        start = end + 1
+    return rows
+
+
+def add_new_answers(rows: list[dict[str, Any]], extra: list[dict[str, Any]],
+                    ) -> list[dict[str, Any]]:
+    """``rows`` then the ``extra`` rows whose answer none of ``rows`` (or an earlier extra
+    row) has: a reused answer that was answered again keeps its real prompt."""
+    seen = {tuple(r["output_ids"]) for r in rows}
+    out = list(rows)
+    for row in extra:
+        key = tuple(row["output_ids"])
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out

@@ -197,7 +197,7 @@ def run_on_device(config: Any) -> dict[str, Any]:
     from quickdraft.engine.models.llama import ModelShape
     from quickdraft.engine.models.rope import RotaryEmbedding
     from quickdraft.spec.draft_head import DraftHeadConfig, model_fingerprint
-    from quickdraft.spec.draft_head_data import read_jsonl
+    from quickdraft.spec.draft_head_data import add_new_answers, corpus_rows, read_jsonl
     from quickdraft.spec.draft_head_prompts import (
         clean_written_prompt,
         first_stage_prompts,
@@ -210,6 +210,7 @@ def run_on_device(config: Any) -> dict[str, Any]:
         choose_draft_vocab,
         evaluate,
         finish,
+        load_target_head,
         train,
     )
 
@@ -230,6 +231,8 @@ def run_on_device(config: Any) -> dict[str, Any]:
     model = load_hf_target(model_dir, str(device), torch.bfloat16)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     log(f"target {model_dir} ({fingerprint}) on {device}")
+    compared = (None if config.compare_head is None
+                else load_target_head(config.compare_head, fingerprint, device))
     # 0 minutes: no new answers, train on what the work directory holds (e.g. answers
     # merged from earlier runs); the held-apart answers are still made if missing
     budget_end = (time.monotonic() + 60 * config.max_generate_minutes
@@ -265,6 +268,9 @@ def run_on_device(config: Any) -> dict[str, Any]:
     def user(text: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": text}]
 
+    reused = [] if config.reuse_corpus is None else corpus_rows(
+        config.reuse_corpus, fingerprint, chat(user("")))
+
     # 1. prompts and answers
     t0 = time.perf_counter()
     train_prompts, eval_prompts = first_stage_prompts(config.num_prompts, config.seed)
@@ -297,9 +303,13 @@ def run_on_device(config: Any) -> dict[str, Any]:
                   "answers-eval.jsonl", None)  # the held-apart answers are always made
     timings["answers_s"] = time.perf_counter() - t0
 
+    # the reused answers come after the stages that build on first-stage answers
+    train_rows = add_new_answers(first + second + turns, reused)
+    if reused:
+        log(f"{len(train_rows)} training conversations, with {config.reuse_corpus}'s corpus")
+
     # 2. features, on the device
     t0 = time.perf_counter()
-    train_rows = first + second + turns
     limit = max(config.max_seq_len, 1024)
 
     def sequences(rows: list[dict[str, Any]]) -> list[tuple[list[int], int]]:
@@ -326,6 +336,10 @@ def run_on_device(config: Any) -> dict[str, Any]:
     timings["train_s"] = time.perf_counter() - t0
     acceptance = evaluate(head, parts, eval_data, config.eval_depth)
     log(f"held apart: {acceptance}")
+    if compared is not None:
+        acceptance["compared"] = {"head": str(config.compare_head),
+                                  **evaluate(compared, parts, eval_data, config.eval_depth)}
+        log(f"held apart, {config.compare_head}: {acceptance['compared']}")
     name = (torch.cuda.get_device_name(device) if device.type == "cuda" else str(device))
     return finish(config, head, str(model_dir), fingerprint, train_rows, len(eval_data),
                   steps_done, losses, coverage, acceptance, timings, started, name)

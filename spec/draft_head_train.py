@@ -36,10 +36,19 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from quickdraft.engine.models.llama import LlamaForCausalLM
-from quickdraft.spec.draft_head import DraftHead, DraftHeadConfig, model_fingerprint, save_head
+from quickdraft.spec.draft_head import (
+    DraftHead,
+    DraftHeadConfig,
+    DraftHeadError,
+    load_head,
+    model_fingerprint,
+    save_head,
+)
 from quickdraft.spec.draft_head_data import (
     Conversation,
+    add_new_answers,
     capture_features,
+    corpus_rows,
     generate_answers,
     load_conversations,
     token_counts,
@@ -81,6 +90,10 @@ class TrainConfig:
     num_follow_ups: int = 0  # second user turns on earlier conversations (transformers)
     generate_batch: int = 512  # conversations generated at once (transformers data)
     max_generate_minutes: float | None = None  # stop starting new answers (transformers)
+    # a head directory whose suffix corpus (its training answers) is trained on as well
+    reuse_corpus: Path | None = None
+    # a head directory evaluated on the same held-apart data, for comparison
+    compare_head: Path | None = None
 
     @property
     def data_maker(self) -> str:
@@ -148,6 +161,11 @@ def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
     model: LlamaForCausalLM = engine.runner.model
     fingerprint = model_fingerprint(model_dir)
     head_config = DraftHeadConfig.for_target(model.shape, fingerprint, config.draft_vocab_size)
+    compared = (None if config.compare_head is None
+                else load_target_head(config.compare_head, fingerprint, "cpu"))
+    reused = [] if config.reuse_corpus is None else corpus_rows(
+        config.reuse_corpus, fingerprint,
+        engine.apply_chat_template([{"role": "user", "content": ""}]))
     timings: dict[str, float] = {}
 
     # 1. answers
@@ -165,10 +183,10 @@ def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
                             work / "answers-eval.jsonl", config.max_new_tokens,
                             config.concurrency, "answers (3/3, held apart)")
     timings["answers_s"] = time.perf_counter() - t0
+    train_rows = add_new_answers(first + second, reused)
 
     # 2. features
     t0 = time.perf_counter()
-    train_rows = first + second
     aux = head_config.aux_layers
     block_size = engine.config.block_size
     kv = engine.runner.kv_caches
@@ -191,10 +209,25 @@ def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
     # 4. evaluation, 5. files
     eval_data = list(load_conversations(eval_shards))
     acceptance = evaluate(head, parts, eval_data, config.eval_depth)
+    if compared is not None:
+        acceptance["compared"] = {"head": str(config.compare_head),
+                                  **evaluate(compared, parts, eval_data, config.eval_depth)}
     return finish(config, head, str(model_dir), fingerprint, train_rows, len(eval_data),
                   steps_done, losses, coverage, acceptance, timings, started,
                   f"{platform.processor() or platform.machine()}, "
                   f"{torch.get_num_threads()} threads")
+
+
+def load_target_head(head_dir: Path, fingerprint: str, device: torch.device | str,
+                     ) -> DraftHead:
+    """The head saved in ``head_dir``, in fp32 on ``device``; DraftHeadError unless it was
+    trained on the target of ``fingerprint``. Loaded before any work, so that a wrong
+    ``compare_head`` fails at once rather than after training."""
+    head = load_head(head_dir, torch.float32).to(device)
+    if head.config.target_fingerprint != fingerprint:
+        raise DraftHeadError("target_fingerprint", f"compare_head {head_dir} was trained on "
+                             f"{head.config.target_fingerprint}, not {fingerprint}")
+    return head
 
 
 def choose_draft_vocab(rows: list[dict[str, Any]], vocab_size: int, size: int,

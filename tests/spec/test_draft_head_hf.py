@@ -17,7 +17,7 @@ from quickdraft.engine.llm_engine import LLMEngine
 from quickdraft.engine.loader import eos_token_ids, load_config, load_tokenizer
 from quickdraft.engine.models.llama import ModelShape
 from quickdraft.spec.draft_head import default_aux_layers, find_head
-from quickdraft.spec.draft_head_data import capture_one
+from quickdraft.spec.draft_head_data import add_new_answers, capture_one, corpus_rows
 from quickdraft.spec.draft_head_hf import capture, cut_at_eos, generate, load_hf_target
 from quickdraft.spec.draft_head_prompts import (
     CODE_FOLLOW_UPS,
@@ -28,6 +28,7 @@ from quickdraft.spec.draft_head_prompts import (
     topic_is_held_apart,
 )
 from quickdraft.spec.draft_head_train import TrainConfig, run
+from quickdraft.spec.suffix_corpus import write_corpus
 from tests.conftest import make_tiny_model
 
 
@@ -136,6 +137,39 @@ def test_transformers_pipeline_end_to_end(tiny: Path, tmp_path: Path) -> None:
     answers["answers-1.jsonl"] = merged.read_text()
     assert {p.name: p.read_text()
             for p in (tmp_path / "work").glob("answers-*.jsonl")} == answers
+
+
+def test_reused_corpus_and_compared_head(tiny: Path, tmp_path: Path) -> None:
+    """``--reuse-corpus``: an earlier head's corpus answers are trained on too, after an
+    empty user turn, except those answered again; another target's corpus is refused.
+    ``--compare-head``: that head is evaluated on the same held-apart positions."""
+    config = TrainConfig(out_dir=tmp_path / "head", work_dir=tmp_path / "work",
+                         model=str(tiny), data="transformers", num_prompts=6,
+                         num_second_stage=0, num_eval_prompts=2, max_new_tokens=24,
+                         generate_batch=8, draft_vocab_size=512, epochs=1, batch_size=4,
+                         ttt_steps=2, warmup_steps=1, checkpoint_every=4)
+    first = run(config)
+    fingerprint = first["target_fingerprint"]
+    answers = [json.loads(line)["output_ids"] for line in
+               (tmp_path / "work" / "answers-1.jsonl").read_text().splitlines()]
+    old = tmp_path / "old"
+    old.mkdir()
+    write_corpus(old, [answers[0], [5, 6, 7, 8], [9, 10, 11]], fingerprint, "test")
+    blank = [1, 2]
+    rows = corpus_rows(old, fingerprint, blank)
+    assert [r["output_ids"] for r in rows] == [answers[0], [5, 6, 7, 8], [9, 10, 11]]
+    assert all(r["prompt_ids"] == blank for r in rows)
+    merged = add_new_answers([{"output_ids": answers[0]}], rows)
+    assert [r["output_ids"] for r in merged] == [answers[0], [5, 6, 7, 8], [9, 10, 11]]
+    with pytest.raises(ValueError, match="target_fingerprint"):
+        corpus_rows(old, "0" * 16, blank)
+    again = run(replace(config, out_dir=tmp_path / "head2", max_generate_minutes=0,
+                        reuse_corpus=old, compare_head=tmp_path / "head"))
+    assert again["train_conversations"] == first["train_conversations"] + 2
+    compared = again["eval"]["compared"]
+    assert compared["head"] == str(tmp_path / "head")
+    assert compared["positions"] == again["eval"]["positions"] == first["eval"]["positions"]
+    assert abs(compared["mean_accepted"] - first["eval"]["mean_accepted"]) < 0.2  # bf16 copy
 
 
 def test_transformers_options_are_validated(tmp_path: Path) -> None:
