@@ -265,6 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="GPU: cuBLAS and tuned attention tiles (speculation equal to plain "
                    "decoding only up to rounding)")
+    p.add_argument("--no-speed-guard", dest="speed_guard", action="store_false",
+                   help="no realised-speed check of each method against plain decoding "
+                   "(spec/speed_guard.py)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="most drafts a request verifies a step (default: the engine's)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
@@ -325,6 +328,7 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, float]:
                           num_threads=args.threads, device=args.device,
                           kernel_backend=args.kernel_backend,
                           batch_invariant=args.batch_invariant,
+                          speed_guard=args.speed_guard,
                           **({} if args.num_speculative_tokens is None else
                              {"num_speculative_tokens": args.num_speculative_tokens}),
                           # every method reruns the same prompts: cache hits would favour

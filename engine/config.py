@@ -83,6 +83,9 @@ class EngineConfig:
     max_background_tokens_per_step: int = 64
     enable_prefix_caching: bool = True  # share full KV blocks between equal prefixes
     measure_step_cost: bool = True  # time forward passes at start-up for the spec policy
+    # Check each speculation method's realised tokens per second against the plain path in
+    # alternating epochs and hold it off where it loses (spec/speed_guard.py).
+    speed_guard: bool = True
     # Linear layers on the GGUF's own 4-bit blocks (engine/weight_format.py): auto (when a
     # timed decode step says it is faster on this CPU) | int4 (always; error if impossible)
     # | dense

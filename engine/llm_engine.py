@@ -34,6 +34,7 @@ from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import ObservedStepCost, SpeculationPolicy, StepCost, measure_step_cost
 from quickdraft.spec.speculator import HEAD_NODES_PER_DRAFT, Speculator
+from quickdraft.spec.speed_guard import SpeedGuardConfig
 from quickdraft.spec.suffix_corpus import find_corpus
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,8 @@ class LLMEngine:
             vocab_size=self.runner.vocab_size, head=self.head,
             verify_trees=self.runner.backend.verify_trees,
             suffix_corpus=find_corpus(config.suffix_corpus, model_fingerprint(model_dir),
-                                      SHIPPED_HEADS) if config.speculation != "off" else None)
+                                      SHIPPED_HEADS) if config.speculation != "off" else None,
+            speed_guard=SpeedGuardConfig() if config.speed_guard else None)
         # the scheduler decides who runs with how many drafts; the speculator follows it
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.priority_aging_s,
@@ -280,6 +282,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
+        began = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
             return self._fail_unschedulable()
@@ -307,6 +310,10 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(sched, result.sampled, result.logprobs,
                                                     result.num_accepted)
         outputs = [out for u in updates if (out := self._process(u)) is not None]
+        self.speculator.observe_step(
+            requests, all(s.sample and s.num_tokens == 1 + s.num_draft_tokens
+                          for s in sched.requests),
+            sum(len(u.new_token_ids) for u in updates), time.perf_counter() - began)
         if CHECK_INVARIANTS:
             self.scheduler.check_invariants()
         return outputs

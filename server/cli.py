@@ -114,6 +114,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "tenant's text")
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most draft tokens per step (the policy may use fewer)")
+    g.add_argument("--no-speed-guard", dest="speed_guard", action="store_false",
+                   help="do not check speculation's realised speed against plain decoding "
+                   "(by default each method runs short epochs without speculation now and "
+                   "then, and is held off where it is slower)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt in full (no KV sharing between requests)")
     g.add_argument("--device", default="auto",
@@ -146,7 +150,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         enable_prefix_caching=args.prefix_caching, device=args.device,
         kernel_backend=args.kernel_backend, cuda_graphs=args.cuda_graphs,
-        batch_invariant=args.batch_invariant, weights=args.weights)
+        batch_invariant=args.batch_invariant, weights=args.weights,
+        speed_guard=args.speed_guard)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -55,6 +55,12 @@ COUNTERS = {
     "spec_decode_num_skipped_lookups": ("Proposals not made: requests whose proposals kept "
                                         "drafting nothing look up less often.",
                                         "spec_num_skipped_lookups"),
+    "spec_decode_num_guard_off_steps": ("Steps in which a method's speed guard held "
+                                        "speculation off (its off epochs and suspensions).",
+                                        "spec_num_guard_off_steps"),
+    "spec_decode_num_guard_suspensions": ("Times a speed guard found a method's speculation "
+                                          "slower than the plain path and suspended it.",
+                                          "spec_num_guard_suspensions"),
     "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
                              "prefix_cache_queries"),
     "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits"),

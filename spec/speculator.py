@@ -32,6 +32,7 @@ from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import SpeculationPolicy
 from quickdraft.spec.proposals import MAX_TREE_NODES, Candidate, Proposers
 from quickdraft.spec.recycling import RecyclingProposer
+from quickdraft.spec.speed_guard import SpeedGuard, SpeedGuardConfig
 from quickdraft.spec.state import lookups_to_skip
 from quickdraft.spec.stats import SpeculationStats
 from quickdraft.spec.suffix import SuffixProposer
@@ -60,10 +61,13 @@ class Speculator:
                  policy: SpeculationPolicy, kv: KVCacheManager | None = None,
                  draft: DraftModelRunner | None = None, max_model_len: int = 1 << 30,
                  vocab_size: int = 0, head: DraftHeadRunner | None = None,
-                 verify_trees: bool = True, suffix_corpus: SuffixCorpus | None = None) -> None:
+                 verify_trees: bool = True, suffix_corpus: SuffixCorpus | None = None,
+                 speed_guard: SpeedGuardConfig | None = None) -> None:
         """``verify_trees`` False: every step verifies chains (each tree's best path), for a
         kernel backend where only a chain's rows get plain decoding's bits;
-        ``suffix_corpus``: the public corpus the suffix tries draft from too."""
+        ``suffix_corpus``: the public corpus the suffix tries draft from too;
+        ``speed_guard``: each method's realised speed is checked against the plain path with
+        this configuration (None: no check)."""
         self.verify_trees = verify_trees
         self.max_k = max_k
         self.proposers = Proposers(method, max_k, ngram_min, ngram_max, draft, vocab_size,
@@ -73,6 +77,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
         self._chains_only = False  # this step verifies chains only (see _plan)
+        self.speed_guard = speed_guard
+        self.guards: dict[str, SpeedGuard] = {}  # by method, made at its first counted step
 
     @property
     def draft_model(self) -> DraftModelRunner | None:
@@ -100,11 +106,39 @@ class Speculator:
         """The request's proposal (:meth:`spec.proposals.Proposers.candidate`)."""
         return self.proposers.candidate(request, k, public, min_gain)
 
+    def speculates(self, request: Request) -> bool:
+        """Whether ``request`` may speculate in this step at all: its method is on, its
+        sampling supports it, and its method's speed guard is not holding it off."""
+        method = self.method_of(request)
+        if method == "off" or not supports_speculation(request.sampling_params):
+            return False
+        guard = self.guards.get(method)
+        return guard is None or guard.speculate_now()
+
+    def observe_step(self, requests: list[Request], decoding: bool, tokens: int,
+                     seconds: float) -> None:
+        """A finished engine step (the engine's call): ``requests`` ran, ``decoding`` (each
+        fed only its pending token and drafts), emitting ``tokens`` in ``seconds`` in all.
+        Counted by the speed guard of their method when they share one."""
+        if self.speed_guard is None or not decoding or not requests:
+            return
+        method = self.method_of(requests[0])
+        if method == "off" or any(self.method_of(r) != method for r in requests[1:]):
+            return
+        guard = self.guards.get(method)
+        if guard is None:
+            guard = self.guards[method] = SpeedGuard(self.speed_guard)
+        if not guard.speculate_now():
+            self.stats.num_guard_off_steps += 1
+        suspensions = guard.num_suspensions
+        guard.observe(len(requests), tokens, seconds)
+        self.stats.num_guard_suspensions += guard.num_suspensions - suspensions
+
     def _wants(self, request: Request, room: int) -> int:
         """Most drafts this request may take (0 = no speculation for it); ``room``: what the
         scheduler leaves it this step."""
         params: SpeculationParams | None = request.spec_params
-        if self.method_of(request) == "off" or not supports_speculation(request.sampling_params):
+        if not self.speculates(request):
             return 0
         k = params.k if params and params.k is not None else self.max_k
         return max(min(k, self.max_k, room), 0)
@@ -116,8 +150,7 @@ class Speculator:
         order); None (no top-k computed) when none of them drafts with recycling."""
         if self.recycling is None:
             return None
-        wanted = [self.method_of(r) == "recycling"
-                  and supports_speculation(r.sampling_params) for r in requests]
+        wanted = [self.method_of(r) == "recycling" and self.speculates(r) for r in requests]
         if not any(wanted):
             return None
         recycling, tenants = self.recycling, [r.cache_salt for r in requests]
@@ -340,8 +373,8 @@ class Speculator:
         None when none does."""
         if self.head is None:
             return None
-        wanted = [self.method_of(r) in ("head", "combined")
-                  and supports_speculation(r.sampling_params) for r in requests]
+        wanted = [self.method_of(r) in ("head", "combined") and self.speculates(r)
+                  for r in requests]
         return wanted if any(wanted) else None
 
     def observe_features(self, requests: list[Request], starts: list[int],
