@@ -129,6 +129,7 @@ def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
     ``shared_tenant``: the run's requests are one tenant (an agent's session)."""
     tenant = tag if shared_tenant else None
     proposer_before = engine.speculator.stats.proposer_seconds
+    guard_off_before = engine.speculator.stats.num_guard_off_steps
     if concurrency == 1:
         parts = [run_batch(engine, [p], params, f"{tag}-p{i}", method, tenant)
                  for i, p in enumerate(prompts)]
@@ -142,6 +143,8 @@ def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
     generated = sum(len(t) for t in run["tokens"])
     run["generated"] = generated
     run["proposer_s"] = engine.speculator.stats.proposer_seconds - proposer_before
+    # steps the speed guard held speculation off (spec/speed_guard.py)
+    run["guard_off_steps"] = engine.speculator.stats.num_guard_off_steps - guard_off_before
     run["tok_s"] = generated / run["wall_s"]
     # Decode phase only (first token -> finish, per request): what speculation changes;
     # wall-clock tok/s also carries the prompt's prefill, which no method speeds up.
@@ -385,7 +388,8 @@ def method_row(cat: str, c: int, method: str, off: list[dict[str, Any]],
     counters: dict[str, int] = {}
     for run in on:
         counters = add_counters(counters, {**spec_counters(run["usage"]),
-                                           "proposer_us": round(1e6 * run["proposer_s"])})
+                                           "proposer_us": round(1e6 * run["proposer_s"]),
+                                           "guard_off_steps": run.get("guard_off_steps", 0)})
     paired = [b["tok_s"] / a["tok_s"] for a, b in zip(off, on, strict=True)]
     decode = [b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(off, on, strict=True)]
     latency = [sum(a["latency_s"]) / sum(b["latency_s"]) for a, b in zip(off, on, strict=True)]
@@ -479,6 +483,7 @@ def report(args: argparse.Namespace, info: dict[str, Any], engine: LLMEngine,
                        "num_speculative_tokens": cfg.num_speculative_tokens,
                        "ngram_min": cfg.ngram_min, "ngram_max": cfg.ngram_max,
                        "measure_step_cost": cfg.measure_step_cost,
+                       "speed_guard": cfg.speed_guard,
                        "num_threads": cfg.num_threads, "device": cfg.device,
                        "kernel_backend": cfg.kernel_backend,
                        "backend": engine.runner.backend.describe(),
