@@ -33,11 +33,15 @@ second-guess it on a noisy machine (the 2-core CPUs drift by up to 40 % within m
 What it costs where speculation pays: the off epochs, one in ``interval + 1`` once trusted.
 
 Invariant: the engine (after each step) is the only writer; ``speculate_now()`` changes only
-in :meth:`SpeedGuard.observe`, so one step's plan and its runner agree.
+in :meth:`SpeedGuard.observe`, so one step's plan and its runner agree; the state's bounds
+(an epoch shorter than ``epoch_steps``, no off step during the warm-up, finite positive
+ratios, the interval within its state's range) are asserted after every observation
+(:meth:`SpeedGuard.check_invariants`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -110,6 +114,7 @@ class SpeedGuard:
         if self.state == "warmup":
             if self.num_steps >= self.config.warmup_steps:
                 self._start_probing()
+            self.check_invariants()
             return
         epoch = self._epoch
         if epoch.shape != num_requests:
@@ -123,6 +128,19 @@ class SpeedGuard:
         epoch.steps += 1
         if epoch.steps >= self.config.epoch_steps:
             self._end_epoch(epoch)
+        self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """After each :meth:`observe` (asserted there)."""
+        c = self.config
+        assert self.state in ("warmup", "probing", "trusted", "suspended"), self.state
+        assert 0 <= self._epoch.steps < c.epoch_steps, self._epoch.steps
+        assert 0 <= self.num_off_steps <= self.num_steps
+        assert self.state != "warmup" or (self._epoch.on and self.num_off_steps == 0)
+        assert all(r > 0.0 and math.isfinite(r) for r in self.ratios), self.ratios
+        if self.state in ("trusted", "suspended"):
+            low, high = c.explore_epochs if self.state == "trusted" else c.hold_epochs
+            assert low <= self._interval <= high, (self.state, self._interval)
 
     def _start_probing(self) -> None:
         self.state = "probing"
