@@ -24,7 +24,9 @@ an off epoch):
   decides: below ``suspend_below`` -> ``suspended``, else ``trusted``;
 - ``trusted``: on epochs, one off epoch after every ``interval`` (``explore_epochs``,
   doubling after each confirming ratio up to its maximum): a ratio below the threshold
-  goes back to ``probing``;
+  asks again after the shortest interval, and a second one in a row goes back to
+  ``probing`` (an off epoch in a copy-heavy stretch against an on epoch without drafts
+  looks like a loss: one low ratio is often the content);
 - ``suspended``: off epochs, one on epoch after every ``interval`` (``hold_epochs``,
   doubling likewise): a ratio at or above the threshold goes back to ``probing``.
 
@@ -96,6 +98,7 @@ class SpeedGuard:
         self._last: _Epoch | None = None  # the last complete epoch
         self._interval = 0
         self._countdown = 0  # epochs left in the current mode (trusted / suspended)
+        self._doubted = False  # trusted: the last exploring ratio was below the threshold
 
     def speculate_now(self) -> bool:
         """Whether the method speculates in the coming step."""
@@ -143,7 +146,7 @@ class SpeedGuard:
             assert low <= self._interval <= high, (self.state, self._interval)
 
     def _start_probing(self) -> None:
-        self.state = "probing"
+        self.state, self._doubted = "probing", False
         self.ratios.clear()
         self._last = None
         self._epoch = _Epoch(on=True)
@@ -175,11 +178,15 @@ class SpeedGuard:
             return self.state == "trusted"
         if ratio is not None and (self.state == "trusted") == (was_on is False):
             # the exploring epoch (off when trusted, on when suspended) gave a ratio
-            if (ratio < c.suspend_below) == (self.state == "trusted"):
-                self._start_probing()  # it disagrees: look again
+            disagrees = (ratio < c.suspend_below) == (self.state == "trusted")
+            low, high = c.explore_epochs if self.state == "trusted" else c.hold_epochs
+            if disagrees and (self.state == "suspended" or self._doubted):
+                self._start_probing()  # look again
                 return True
-            high = (c.explore_epochs if self.state == "trusted" else c.hold_epochs)[1]
-            self._interval = min(2 * self._interval, high)
+            if disagrees:  # trusted: one low ratio may be the content; ask again soon
+                self._doubted, self._interval = True, low
+            else:
+                self._doubted, self._interval = False, min(2 * self._interval, high)
             self._countdown = self._interval
         default = self.state == "trusted"
         if was_on != default:  # an exploring epoch without a ratio: back to the default

@@ -66,6 +66,29 @@ def test_a_change_either_way_is_noticed() -> None:
     assert guard.state == "trusted"
 
 
+def run_until_off_epoch_ends(guard: SpeedGuard, off_speed: float) -> None:
+    """Steps at the paying world's speed until an off epoch starts, then that whole off
+    epoch at ``off_speed`` times the plain path's speed (a stretch where plain decoding
+    looks fast, e.g. no drafts would have been found)."""
+    while guard.speculate_now():
+        run(guard, 1, speedup=1.3)
+    while not guard.speculate_now():
+        guard.observe(1, 1, 1e-3 / off_speed)
+
+
+def test_one_low_ratio_does_not_stop_a_trusted_method_two_in_a_row_do() -> None:
+    guard = SpeedGuard(SMALL)
+    run(guard, 600, speedup=1.3)
+    assert guard.state == "trusted"
+    run_until_off_epoch_ends(guard, off_speed=2.0)  # ratio 0.65: doubted, asked again soon
+    assert guard.state == "trusted"
+    run_until_off_epoch_ends(guard, off_speed=1.0)  # ratio 1.3: trusted again
+    run_until_off_epoch_ends(guard, off_speed=2.0)
+    assert guard.state == "trusted"
+    run_until_off_epoch_ends(guard, off_speed=2.0)  # the second low ratio in a row
+    assert guard.state == "probing"
+
+
 def test_epochs_of_other_batch_shapes_are_not_compared() -> None:
     guard = SpeedGuard(SMALL)
     for step in range(400):  # the batch size changes every 3 steps: no epoch completes
