@@ -16,6 +16,7 @@ on the answer's positions.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -134,8 +135,10 @@ def capture_one(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_si
 def capture_features(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                      rows: list[dict[str, Any]], aux_layers: tuple[int, ...], out_dir: Path,
                      shard_size: int = 200, desc: str = "capture") -> list[Path]:
-    """Capture every row into shards ``out_dir/shard-00000.pt`` ...; shards already written
-    are kept (resumable). Returns the shard paths."""
+    """Capture every row into shards ``out_dir/shard-00000-<digest>.pt`` ...; shards already
+    written are kept (resumable). A shard's name carries a digest of its rows' tokens, so a
+    rerun whose rows changed (e.g. with ``reuse_corpus`` added) captures them again instead
+    of taking a stale shard. Returns the shard paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     max_len = kv_caches[0].shape[1] * block_size
     paths: list[Path] = []
@@ -143,7 +146,9 @@ def capture_features(model: LlamaForCausalLM, kv_caches: list[torch.Tensor], blo
     bar = tqdm(total=sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows),
                desc=desc, unit="tok", unit_scale=True, dynamic_ncols=True)
     for index, shard in enumerate(shards):
-        path = out_dir / f"shard-{index:05d}.pt"
+        digest = hashlib.sha256(json.dumps(
+            [r["prompt_ids"] + r["output_ids"] for r in shard]).encode()).hexdigest()[:12]
+        path = out_dir / f"shard-{index:05d}-{digest}.pt"
         paths.append(path)
         size = sum(len(r["prompt_ids"]) + len(r["output_ids"]) for r in shard)
         if path.exists():

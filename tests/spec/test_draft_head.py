@@ -4,6 +4,7 @@ training on a tiny random model."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from quickdraft.spec.draft_head import (
 )
 from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
 from quickdraft.spec.draft_head_train import TrainConfig, run
-from quickdraft.spec.suffix_corpus import read_tokens, tokens_file
+from quickdraft.spec.suffix_corpus import read_tokens, tokens_file, write_corpus
 from tests.conftest import make_tiny_model
 
 
@@ -141,6 +142,31 @@ def test_training_resumes_without_redoing_finished_stages(
                             ttt_steps=2, warmup_steps=2, checkpoint_every=2))
     assert again["optimizer_steps"] == report["optimizer_steps"]
     assert again["train_conversations"] == report["train_conversations"]
+
+
+def test_reused_corpus_on_the_engine_path(trained: tuple[Path, dict], tiny_target: Path,
+                                         tmp_path: Path) -> None:
+    """``reuse_corpus`` on the served engine's path: the corpus's new answers are trained on
+    (its repeats of this run's answers are not); feature shards captured for other rows
+    are not taken; ``compare_head`` is evaluated on the same held-apart positions."""
+    out, report = trained
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus, [[5, 6, 7, 8], [9, 10, 11]], report["target_fingerprint"], "test")
+    config = TrainConfig(out_dir=tmp_path / "head", work_dir=tmp_path / "work",
+                         model=str(tiny_target), num_prompts=12, num_second_stage=4,
+                         num_eval_prompts=3, max_new_tokens=20, draft_vocab_size=512,
+                         epochs=1, batch_size=3, ttt_steps=2, warmup_steps=2,
+                         checkpoint_every=1000)
+    plain = run(config)
+    (tmp_path / "work" / "checkpoint.pt").unlink(missing_ok=True)  # train again, below
+    again = run(replace(config, reuse_corpus=corpus, compare_head=out))
+    assert again["train_conversations"] == plain["train_conversations"] + 2
+    shards = sorted((tmp_path / "work" / "features-train").glob("shard-*.pt"))
+    assert len(shards) == 2  # the first run's shard and one for the new rows
+    compared = again["eval"]["compared"]
+    assert compared["head"] == str(out)
+    assert compared["positions"] == again["eval"]["positions"] == plain["eval"]["positions"]
 
 
 def test_head_for_another_target_is_refused(trained: tuple[Path, dict],
