@@ -17,7 +17,7 @@ that carry no prefill count; an epoch's steps must all have the same number of r
 second step on). Two adjacent epochs of the same shape and opposite modes give a ratio
 ``on rate / off rate``.
 
-States (``warmup`` until ``warmup_steps`` counted steps, so short runs and tests never see
+States (``warmup`` until ``warmup_steps`` counted steps, so short runs and most tests never see
 an off epoch):
 
 - ``probing``: epochs alternate on, off, on, ...; after ``min_pairs`` ratios the median
