@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import itertools
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from quickdraft.engine import llm_engine
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec.speed_guard import SpeedGuard, SpeedGuardConfig
 from tests.spec.test_spec_engine import PROMPTS, make_engine
@@ -105,20 +107,30 @@ def test_config_is_validated() -> None:
             SpeedGuardConfig(**bad)  # type: ignore[arg-type]
 
 
-def test_an_engine_suspends_a_method_that_slows_every_step(tiny_model_dir) -> None:
+def test_an_engine_suspends_a_method_that_slows_every_step(tiny_model_dir,
+                                                            monkeypatch) -> None:
     """A suffix proposer that costs 100 ms on every step it may speculate in (as the draft
-    head's eager feature steps do on a GPU): suspended, its off epochs run at the plain
-    path's speed, and the tokens are those of speculation off."""
+    head's eager feature steps do on a GPU): suspended, and the tokens are those of
+    speculation off. The engine's step clock is a fake one (1 ms a reading, plus the
+    proposer's 100 ms), so the guard's decisions do not depend on this machine's load."""
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     off = make_engine(tiny_model_dir, "off")
     want = off.generate([PROMPTS[0]], params)[0].token_ids
     engine = make_engine(tiny_model_dir, "suffix")
     engine.speculator.speed_guard = SMALL
+    clock = [0.0]
+
+    def perf_counter() -> float:
+        clock[0] += 1e-3
+        return clock[0]
+
+    monkeypatch.setattr(llm_engine, "time",
+                        SimpleNamespace(perf_counter=perf_counter, monotonic=time.monotonic))
     plan = engine.speculator._plan
 
     def slow_plan(requests, rooms, num_plain_tokens, budget):  # type: ignore[no-untyped-def]
         if any(engine.speculator.speculates(r) for r in requests):
-            time.sleep(0.1)  # (the tiny model accepts up to 17 tokens a step)
+            clock[0] += 0.1  # (the tiny model accepts up to 17 tokens a step)
         plan(requests, rooms, num_plain_tokens, budget)
 
     engine.speculator._plan = slow_plan  # type: ignore[method-assign]
@@ -129,6 +141,6 @@ def test_an_engine_suspends_a_method_that_slows_every_step(tiny_model_dir) -> No
     stats = engine.speculator.stats
     assert guard.state == "suspended" and stats.num_guard_suspensions == 1
     assert stats.num_guard_off_steps == guard.num_off_steps > 40
-    # with the guard off, the same engine keeps paying the 100 ms
+    # with the guard off, the same engine speculates on every step again
     engine.speculator.speed_guard, engine.speculator.guards = None, {}
     assert engine.generate([PROMPTS[0]], params)[0].token_ids == want
