@@ -129,7 +129,7 @@ def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
     ``shared_tenant``: the run's requests are one tenant (an agent's session)."""
     tenant = tag if shared_tenant else None
     proposer_before = engine.speculator.stats.proposer_seconds
-    guard_off_before = engine.speculator.stats.num_guard_off_steps
+    guard_off_before = engine.speculator.num_guard_off_steps
     if concurrency == 1:
         parts = [run_batch(engine, [p], params, f"{tag}-p{i}", method, tenant)
                  for i, p in enumerate(prompts)]
@@ -144,7 +144,7 @@ def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
     run["generated"] = generated
     run["proposer_s"] = engine.speculator.stats.proposer_seconds - proposer_before
     # steps the speed guard held speculation off (spec/speed_guard.py)
-    run["guard_off_steps"] = engine.speculator.stats.num_guard_off_steps - guard_off_before
+    run["guard_off_steps"] = engine.speculator.num_guard_off_steps - guard_off_before
     run["tok_s"] = generated / run["wall_s"]
     # Decode phase only (first token -> finish, per request): what speculation changes;
     # wall-clock tok/s also carries the prompt's prefill, which no method speeds up.

@@ -212,8 +212,8 @@ class AsyncLLM:
             "spec_num_tree_steps": spec.num_tree_steps,
             "spec_num_tree_nodes": spec.num_tree_nodes,
             "spec_num_skipped_lookups": spec.num_skipped_lookups,
-            "spec_num_guard_off_steps": spec.num_guard_off_steps,
-            "spec_num_guard_suspensions": spec.num_guard_suspensions,
+            "spec_num_guard_off_steps": self.engine.speculator.num_guard_off_steps,
+            "spec_num_guard_suspensions": self.engine.speculator.num_guard_suspensions,
             "spec_by_source": {k: list(v) for k, v in spec.by_source.items()},
             "spec_step_cost_ratio": (self.engine.step_cost.recent_ratio()
                                      if self.engine.step_cost is not None else 0.0),

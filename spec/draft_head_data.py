@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from quickdraft.engine.models.llama import LlamaForCausalLM
 from quickdraft.engine.step_plan import StepPlan
-from quickdraft.spec.suffix_corpus import CORPUS_CONFIG, read_tokens, tokens_file
+from quickdraft.spec.suffix_corpus import check_corpus_target, read_tokens, tokens_file
 
 TOP_K = 8  # soft-label tokens kept per position
 
@@ -200,13 +200,7 @@ def corpus_rows(head_dir: Path, fingerprint: str, prompt_ids: list[int],
     and next-token labels are recomputed over it, so a row is still exact self-distillation,
     only of text whose opening does not follow from its context. ValueError if the corpus
     is another target's."""
-    config_path = head_dir / CORPUS_CONFIG
-    if not config_path.is_file():
-        raise ValueError(f"reuse_corpus {head_dir}: no {CORPUS_CONFIG}")
-    found = json.loads(config_path.read_text()).get("target_fingerprint")
-    if found != fingerprint:
-        raise ValueError(f"reuse_corpus {head_dir}: target_fingerprint {found!r} is not this "
-                         f"model's {fingerprint!r}")
+    check_corpus_target(head_dir, fingerprint)
     flat = read_tokens(tokens_file(head_dir))  # [n] int32, -1 between answers
     ends = (flat == -1).nonzero()[0].tolist()
     rows, start = [], 0

@@ -232,7 +232,7 @@ def run_on_device(config: Any) -> dict[str, Any]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     log(f"target {model_dir} ({fingerprint}) on {device}")
     compared = (None if config.compare_head is None
-                else load_target_head(config.compare_head, fingerprint, device))
+                else load_target_head(config.compare_head, shape, fingerprint, device))
     # 0 minutes: no new answers, train on what the work directory holds (e.g. answers
     # merged from earlier runs); the held-apart answers are still made if missing
     budget_end = (time.monotonic() + 60 * config.max_generate_minutes

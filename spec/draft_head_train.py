@@ -35,11 +35,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.models.llama import LlamaForCausalLM, ModelShape
 from quickdraft.spec.draft_head import (
     DraftHead,
     DraftHeadConfig,
-    DraftHeadError,
     load_head,
     model_fingerprint,
     save_head,
@@ -162,7 +161,7 @@ def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
     fingerprint = model_fingerprint(model_dir)
     head_config = DraftHeadConfig.for_target(model.shape, fingerprint, config.draft_vocab_size)
     compared = (None if config.compare_head is None
-                else load_target_head(config.compare_head, fingerprint, "cpu"))
+                else load_target_head(config.compare_head, model.shape, fingerprint, "cpu"))
     reused = [] if config.reuse_corpus is None else corpus_rows(
         config.reuse_corpus, fingerprint,
         engine.apply_chat_template([{"role": "user", "content": ""}]))
@@ -218,16 +217,15 @@ def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
                   f"{torch.get_num_threads()} threads")
 
 
-def load_target_head(head_dir: Path, fingerprint: str, device: torch.device | str,
-                     ) -> DraftHead:
-    """The head saved in ``head_dir``, in fp32 on ``device``; DraftHeadError unless it was
-    trained on the target of ``fingerprint``. Loaded before any work, so that a wrong
-    ``compare_head`` fails at once rather than after training."""
-    head = load_head(head_dir, torch.float32).to(device)
-    if head.config.target_fingerprint != fingerprint:
-        raise DraftHeadError("target_fingerprint", f"compare_head {head_dir} was trained on "
-                             f"{head.config.target_fingerprint}, not {fingerprint}")
-    return head
+def load_target_head(head_dir: Path, shape: ModelShape, fingerprint: str,
+                     device: torch.device | str) -> DraftHead:
+    """The head saved in ``head_dir``, in fp32 on ``device``; DraftHeadError (naming the
+    field) unless it was made for this target (:meth:`DraftHeadConfig.check_target`).
+    Loaded before any work, so that a wrong ``compare_head`` fails at once rather than
+    after training."""
+    head = load_head(head_dir, torch.float32)
+    head.config.check_target(shape, fingerprint)
+    return head.to(device)
 
 
 def choose_draft_vocab(rows: list[dict[str, Any]], vocab_size: int, size: int,

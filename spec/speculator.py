@@ -128,11 +128,17 @@ class Speculator:
         guard = self.guards.get(method)
         if guard is None:
             guard = self.guards[method] = SpeedGuard(self.speed_guard)
-        if not guard.speculate_now():
-            self.stats.num_guard_off_steps += 1
-        suspensions = guard.num_suspensions
         guard.observe(len(requests), tokens, seconds)
-        self.stats.num_guard_suspensions += guard.num_suspensions - suspensions
+
+    @property
+    def num_guard_off_steps(self) -> int:
+        """Steps in which a method's speed guard held speculation off (all methods)."""
+        return sum(g.num_off_steps for g in self.guards.values())
+
+    @property
+    def num_guard_suspensions(self) -> int:
+        """Times a guard found its method slower than the plain path and suspended it."""
+        return sum(g.num_suspensions for g in self.guards.values())
 
     def _wants(self, request: Request, room: int) -> int:
         """Most drafts this request may take (0 = no speculation for it); ``room``: what the

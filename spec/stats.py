@@ -25,10 +25,6 @@ class SpeculationStats:
     # [verification steps, drafted, accepted]
     by_source: dict[str, list[int]] = field(default_factory=dict)
     num_skipped_lookups: int = 0  # proposals not made by the lookup back-off (spec.state)
-    # steps in which a method's speed guard held speculation off (spec.speed_guard), and the
-    # times a guard found speculation slower than the plain path and suspended it
-    num_guard_off_steps: int = 0
-    num_guard_suspensions: int = 0
 
     @property
     def acceptance_rate(self) -> float:

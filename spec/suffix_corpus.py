@@ -197,6 +197,12 @@ def find_corpus(setting: str | None, fingerprint: str, shipped: Path) -> SuffixC
                 return load_corpus(path.parent.resolve())
         return None
     directory = Path(setting).expanduser()
+    check_corpus_target(directory, fingerprint)
+    return load_corpus(directory.resolve())
+
+
+def check_corpus_target(directory: Path, fingerprint: str) -> None:
+    """ValueError unless ``directory`` holds a corpus for the target of ``fingerprint``."""
     if not (directory / CORPUS_CONFIG).is_file():
         raise ValueError(f"suffix corpus {directory}: no {CORPUS_CONFIG} (write one with "
                          "`quickdraft draft-head corpus`)")
@@ -205,7 +211,6 @@ def find_corpus(setting: str | None, fingerprint: str, shipped: Path) -> SuffixC
         raise ValueError(f"suffix corpus {directory}: target_fingerprint "
                          f"{config.get('target_fingerprint')!r} is not this model's "
                          f"{fingerprint!r}")
-    return load_corpus(directory.resolve())
 
 
 @functools.lru_cache(maxsize=2)
