@@ -15,12 +15,16 @@ Formats that map exactly onto a 4-bit code with one fp scale and offset per 32 w
   nibbles the next); ``w = (d · sc) · q − dmin · mn`` per sub-block, i.e. ``d = d · sc``,
   ``m = −dmin · mn``.
 
-(Tensors in other formats, e.g. Q6_K, are not returned; their layers keep the dense
-weights.) The LM head is read too when it is stored as ``Q8_0`` (blocks of 32: fp16 ``d``, 32
-int8 codes; ``w = d · q``): ``output.weight``, or the tied ``token_embd.weight`` as SmolLM2's
-file has it (:func:`read_q8_head`). Tensor names are the HF ones, and the
-Llama q/k rows are permuted back as transformers does when it dequantizes, so row ``i``
-here is row ``i`` of the converted checkpoint.
+Layer matrices stored as ``Q6_K`` (Qwen2.5's Q4_K_M files keep some ``ffn_down`` and
+``attn_v`` so) are returned as :class:`Q6Weight` (below); other formats are not returned,
+and their layers keep the dense weights. The LM head is read too when it is stored as
+``Q8_0`` (blocks of 32: fp16 ``d``, 32 int8 codes; ``w = d · q``) or ``Q6_K``
+(super-blocks of 256: 6-bit codes ``q`` in -32..31, an int8 scale ``sc`` per 16 weights and
+an fp16 ``d``; ``w = (d · sc) · q``, ``d · sc`` exact in fp32), as Qwen2.5's Q4_K_M files
+store theirs: ``output.weight``, or the tied ``token_embd.weight`` as SmolLM2's file has
+it (:func:`read_head`). Tensor names are the HF ones, and the Llama q/k rows are permuted
+back as transformers does when it dequantizes, so row ``i`` here is row ``i`` of the
+converted checkpoint.
 """
 
 from __future__ import annotations
@@ -88,7 +92,28 @@ class Q8Weight:
         return (self.d[..., None] * self.q.view(out, k // GROUP, GROUP).float()).view(out, k)
 
 
-LM_HEAD = "lm_head.weight"  # the key of the Q8_0 head among the 4-bit matrices
+@dataclass(frozen=True)
+class Q6Weight:
+    """``w[n, k] = s[n, k // 16] · q[n, k]`` for a ``[out, in]`` matrix (GGUF ``Q6_K``:
+    ``s = d · sc`` of its super-block's fp16 ``d`` and the int8 scale of the 16 weights)."""
+
+    q: torch.Tensor  # [out, in] int8, values -32..31
+    s: torch.Tensor  # [out, in / 16] fp32 (exact: an fp16 times an int8)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.q.shape[0], self.q.shape[1])
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] fp32, exact
+        out, k = self.shape
+        return (self.s[..., None] * self.q.view(out, k // 16, 16).float()).view(out, k)
+
+    def rows(self, index: torch.Tensor) -> Q6Weight:
+        return Q6Weight(self.q[index], self.s[index])
+
+
+HeadWeight = Q8Weight | Q6Weight  # the LM head formats read as stored
+LM_HEAD = "lm_head.weight"  # the key of the 8- or 6-bit head among the 4-bit matrices
 
 
 def _unpack_q8_0(blocks: np.ndarray, out: int, k: int) -> Q8Weight:
@@ -97,6 +122,23 @@ def _unpack_q8_0(blocks: np.ndarray, out: int, k: int) -> Q8Weight:
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     q = b[..., 2:].copy().view(np.int8).reshape(out, k)  # (a fresh array: no second copy)
     return Q8Weight(torch.from_numpy(q), torch.from_numpy(d))
+
+
+def _unpack_q6_k(blocks: np.ndarray, out: int, k: int) -> Q6Weight:
+    """Raw ``[out, bytes per row]`` uint8 rows of Q6_K super-blocks (256 weights, 210 bytes:
+    128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, fp16 ``d``), in the
+    element order of gguf's own dequantization."""
+    n = out * (k // 256)
+    b = np.ascontiguousarray(blocks).reshape(n, 210)
+    ql, qh = b[:, :128], b[:, 128:192]
+    sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)  # [n, 16]
+    d = b[:, 208:210].copy().view(np.float16)[:, 0].astype(np.float32)
+    low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).astype(np.int8) - 32
+    s = d[:, None] * sc  # [n, 16]: exact (11-bit by 8-bit significands)
+    return Q6Weight(torch.from_numpy(q.reshape(out, k).copy()),
+                    torch.from_numpy(s.reshape(out, k // 16).copy()))
 
 
 def _unpack(blocks: np.ndarray, out: int, k: int, has_min: bool) -> Q4Weight:
@@ -142,18 +184,19 @@ def _unpermute_rows(out: int, heads: int) -> torch.Tensor:
 
 def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
                     num_kv_heads: int, tied: bool | None = None,
-                    ) -> dict[str, Q4Weight | Q8Weight]:
-    """Every layer matrix of the file stored as Q4_1, Q4_0 or Q4_K, keyed by its HF name
-    (``model.layers.N.self_attn.q_proj.weight``); ``llama_permute``: the architecture whose
-    q/k rows transformers permutes back (llama/mistral, not qwen2). With ``tied`` given
-    (whether the model reuses its embedding as the head), also the Q8_0 LM head under
-    :data:`LM_HEAD` when there is one (:func:`read_q8_head`), from the same parse."""
+                    ) -> dict[str, Q4Weight | HeadWeight]:
+    """Every layer matrix of the file stored as Q4_1, Q4_0, Q4_K (:class:`Q4Weight`) or Q6_K
+    (:class:`Q6Weight`), keyed by its HF name (``model.layers.N.self_attn.q_proj.weight``);
+    ``llama_permute``: the architecture whose q/k rows transformers permutes back
+    (llama/mistral, not qwen2). With ``tied`` given (whether the model reuses its
+    embedding as the head), also the Q8_0 or Q6_K LM head under :data:`LM_HEAD` when there
+    is one (:func:`read_head`), from the same parse."""
     from gguf import GGMLQuantizationType, GGUFReader  # optional at import time
 
     kinds = {GGMLQuantizationType.Q4_1: True, GGMLQuantizationType.Q4_0: False,
-             GGMLQuantizationType.Q4_K: None}
+             GGMLQuantizationType.Q4_K: None, GGMLQuantizationType.Q6_K: None}
     tensors = GGUFReader(str(gguf_path)).tensors
-    weights: dict[str, Q4Weight | Q8Weight] = {}
+    weights: dict[str, Q4Weight | HeadWeight] = {}
     for tensor in tensors:
         match = _BLOCK.fullmatch(tensor.name)
         if match is None or tensor.tensor_type not in kinds:
@@ -165,37 +208,46 @@ def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
         has_min = kinds[tensor.tensor_type]
         if k % (GROUP if has_min is not None else 256):
             continue
-        w = (_unpack_q4_k(tensor.data, out, k) if has_min is None
-             else _unpack(tensor.data, out, k, has_min))
+        w: Q4Weight | Q6Weight
+        if tensor.tensor_type == GGMLQuantizationType.Q6_K:
+            w = _unpack_q6_k(tensor.data, out, k)
+        elif has_min is None:
+            w = _unpack_q4_k(tensor.data, out, k)
+        else:
+            w = _unpack(tensor.data, out, k, has_min)
         if llama_permute and kind in ("attn_q", "attn_k"):
             w = w.rows(_unpermute_rows(out, num_heads if kind == "attn_q" else num_kv_heads))
         weights[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = w
-    if tied is not None and (head := _q8_head(tensors, tied)) is not None:
+    if tied is not None and (head := _head(tensors, tied)) is not None:
         weights[LM_HEAD] = head
     return weights
 
 
-def read_q8_head(gguf_path: Path, tied: bool) -> Q8Weight | None:
-    """The LM head when the file stores it as Q8_0: ``output.weight``, else (``tied``: the
-    model reuses its embedding) ``token_embd.weight``; None otherwise."""
+def read_head(gguf_path: Path, tied: bool) -> HeadWeight | None:
+    """The LM head when the file stores it as Q8_0 or Q6_K: ``output.weight``, else
+    (``tied``: the model reuses its embedding) ``token_embd.weight``; None otherwise."""
     from gguf import GGUFReader
 
-    return _q8_head(GGUFReader(str(gguf_path)).tensors, tied)
+    return _head(GGUFReader(str(gguf_path)).tensors, tied)
 
 
-def _q8_head(tensors: Any, tied: bool) -> Q8Weight | None:
+def _head(tensors: Any, tied: bool) -> HeadWeight | None:
     from gguf import GGMLQuantizationType
 
     by_name = {t.name: t for t in tensors}
     tensor = by_name.get("output.weight") or (by_name.get("token_embd.weight") if tied
                                               else None)
-    if tensor is None or tensor.tensor_type != GGMLQuantizationType.Q8_0:
+    if tensor is None:
         return None
     k, out = (int(v) for v in tensor.shape[:2])
-    return _unpack_q8_0(tensor.data, out, k) if k % GROUP == 0 else None
+    if tensor.tensor_type == GGMLQuantizationType.Q8_0 and k % GROUP == 0:
+        return _unpack_q8_0(tensor.data, out, k)
+    if tensor.tensor_type == GGMLQuantizationType.Q6_K and k % 256 == 0:
+        return _unpack_q6_k(tensor.data, out, k)
+    return None
 
 
-def save_q4_weights(path: Path, weights: dict[str, Q4Weight | Q8Weight]) -> None:
+def save_q4_weights(path: Path, weights: dict[str, Q4Weight | HeadWeight]) -> None:
     """Write ``weights`` to one safetensors file (two codes a byte), atomically: reading the
     GGUF takes seconds (its Python reader parses the whole tokenizer), this file loads in a
     fraction of one."""
@@ -204,6 +256,9 @@ def save_q4_weights(path: Path, weights: dict[str, Q4Weight | Q8Weight]) -> None
         if isinstance(w, Q8Weight):
             tensors[f"{name}.q8"], tensors[f"{name}.d"] = w.q.contiguous(), w.d.contiguous()
             continue
+        if isinstance(w, Q6Weight):
+            tensors[f"{name}.q6"], tensors[f"{name}.s16"] = w.q.contiguous(), w.s.contiguous()
+            continue
         tensors[f"{name}.q"] = (w.q[:, 0::2] | (w.q[:, 1::2] << 4)).contiguous()
         tensors[f"{name}.d"], tensors[f"{name}.m"] = w.d.contiguous(), w.m.contiguous()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -211,13 +266,16 @@ def save_q4_weights(path: Path, weights: dict[str, Q4Weight | Q8Weight]) -> None
     os.replace(tmp, path)
 
 
-def load_q4_weights(path: Path) -> dict[str, Q4Weight | Q8Weight]:
+def load_q4_weights(path: Path) -> dict[str, Q4Weight | HeadWeight]:
     """What :func:`save_q4_weights` wrote."""
     tensors = load_file(str(path))
-    weights: dict[str, Q4Weight | Q8Weight] = {}
+    weights: dict[str, Q4Weight | HeadWeight] = {}
     for key in tensors:
         if key.endswith(".q8"):
             weights[key[:-3]] = Q8Weight(tensors[key], tensors[f"{key[:-3]}.d"])
+            continue
+        if key.endswith(".q6"):
+            weights[key[:-3]] = Q6Weight(tensors[key], tensors[f"{key[:-3]}.s16"])
             continue
         if not key.endswith(".q"):
             continue

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # (engine.models.llama.FOUR_BIT_KERNELS)
 KERNEL_OF = {"int4-q8": "q8", "int4": "torch"}
 DERIVED_FILE_PREFIX = "q4_weights"  # files quickdraft derives beside a checkpoint
-Q4_CACHE_FILE = f"{DERIVED_FILE_PREFIX}-v2.safetensors"  # bump the version on change
+Q4_CACHE_FILE = f"{DERIVED_FILE_PREFIX}-v3.safetensors"  # bump the version on change
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,8 @@ def _q4_weights(source: Path, model_dir: Path, hf_config: Any) -> dict[str, Any]
         except Exception as exc:  # a damaged cache file: read the GGUF again
             log.warning("ignoring %s (%s)", cached, exc)
     model_type = getattr(hf_config, "model_type", "llama")
-    # (the Q8_0 head, when there is one, runs with int4-q8; the int4 path keeps it dense)
+    # (the Q8_0 or Q6_K head, when there is one, runs with int4-q8; the int4 path keeps it
+    # dense)
     q4 = gguf_quant.read_q4_weights(
         source, llama_permute=model_type in ("llama", "mistral"),
         num_heads=hf_config.num_attention_heads, num_kv_heads=hf_config.num_key_value_heads,

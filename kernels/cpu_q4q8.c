@@ -29,7 +29,8 @@
  * (group_at).
  *
  * qd_q8q8_linear does the same for Q8_0 weights (w = d * q, q int8: a GGUF's 8-bit LM head /
- * tied embedding), with its own layout (see QD_TILE8).
+ * tied embedding), with its own layout (see QD_TILE8), and qd_q6q8_linear for Q6_K ones
+ * (w = s * q, q in -32..31, one fp32 scale per 16 weights: Qwen2.5's head; see tile6_avx2).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -51,7 +52,8 @@ _Static_assert(QD_GROUPS_PER_TASK % 2 == 0, "a task's groups are whole pairs (th
 /* Round rows x rows of x (bf16 [rows, k]) to int8 blocks: xq [rows, k], sx and sumx
  * [rows, k / 32]. Per block of 32: amax = max |x| (NaNs skipped), sx = amax / 127,
  * q = clamp(round-to-nearest-even(x * (127 / amax)), -127, 127), sumx = sx * sum(q)
- * (``int_sums``: the int32 -128 * sum(q) in sumx's place instead, for Q8_0 weights).
+ * (``int_sums`` 1: the int32 -128 * sum(q) in sumx's place instead, for Q8_0 weights; 2:
+ * the sums of the block's two halves of 16 as two int16s, low half first, for Q6_K ones).
  * Elementwise AVX2 on every CPU kind (the same instructions and roundings on both, lane by
  * lane: a scalar loop computing the same formula gives the same bits), rows split between
  * threads for prefill chunks. */
@@ -99,10 +101,21 @@ static QD_AVX2 void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq
             t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
             sx[(size_t)r * groups + g] = scale;
             const int32_t block_sum = _mm_cvtsi128_si32(t4);
-            if (int_sums)  /* Q8_0 weights: -128 * sum(q), see dot8s_vnni */
+            if (int_sums == 2) {  /* Q6_K weights: |sum of 16| <= 16 * 127, see tile6_avx2 */
+                const __m256i h = _mm256_add_epi32(q[0], q[1]);
+                __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(h),
+                                           _mm256_extracti128_si256(h, 1));
+                h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0x4e));
+                h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, 0xb1));
+                const int32_t low = _mm_cvtsi128_si32(h4);
+                ((int32_t*)sumx)[(size_t)r * groups + g] =
+                    (int32_t)((uint32_t)(uint16_t)(int16_t)low
+                              | (uint32_t)(uint16_t)(int16_t)(block_sum - low) << 16);
+            } else if (int_sums) {  /* Q8_0 weights: -128 * sum(q), see dot8s_vnni */
                 ((int32_t*)sumx)[(size_t)r * groups + g] = -128 * block_sum;
-            else
+            } else {
                 sumx[(size_t)r * groups + g] = scale * (float)block_sum;
+            }
         }
     }
 }
@@ -347,6 +360,64 @@ QD_TILE8(tile8_vnni, QD_VNNI, QD_UNSIGNED8, dot8s_vnni)
 QD_COLUMNS8(columns8_avx2, QD_AVX2, tile8_avx2)
 QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
 
+/* ---- Q6_K weights (w = s * q, q in -32..31, one fp32 scale s = d * sc per 16 weights, exact)
+ * Layout: codes as Q8_0's but stored as u = q + 32 (0..63) (the 8 chunks of a block: chunks
+ * 0-3 are k = 32g .. +15, chunks 4-7 k = 32g + 16 .. +31), s [n/8][k/32][2][8] fp32 (block
+ * g's two halves, 8 columns each). The AVX2 loop on every CPU kind (the same bits
+ * everywhere); per row and block:
+ *   acc = fma(float(isum0), s0 * sx, acc);   acc = fma(float(isum1), s1 * sx, acc)
+ * with isum_h the exact integer sum of half h's 16 products q * xq, computed as
+ * sum(u * xq) - 32 * sum(xq) (quantize_rows gives the halves' sums): u is unsigned, so
+ * vpmaddubsw takes it as it is (two of its pairs summed: 2 * 2 * 63 * 127 < 2^15). */
+static inline __attribute__((always_inline)) QD_AVX2 void tile6_avx2(
+        const int R, const uint8_t* codes, const float* s, const int8_t* xq, const float* sx,
+        const float* sumx, uint16_t* y, int cg, int n, int k) {
+    const int groups = k / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[QD_MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const uint8_t* cb = codes + (size_t)cg * groups * 256;
+    const float* sb = s + (size_t)cg * groups * 16;
+    for (int g = 0; g < groups; g++) {
+        __m256i u[8];
+        prefetch_ahead(cb + (size_t)g * 256, 256, QD_AHEAD_8BIT);
+        for (int j = 0; j < 8; j++)
+            u[j] = _mm256_loadu_si256((const __m256i*)(cb + (size_t)g * 256 + 32 * j));
+        const __m256 s0 = _mm256_loadu_ps(sb + (size_t)g * 16);
+        const __m256 s1 = _mm256_loadu_ps(sb + (size_t)g * 16 + 8);
+        for (int r = 0; r < R; r++) {
+            const int8_t* xb = xq + (size_t)r * k + (size_t)g * 32;
+            const uint32_t halves = ((const uint32_t*)sumx)[(size_t)r * groups + g];
+            __m256i h[2];
+            for (int half = 0; half < 2; half++) {
+                const int j = 4 * half;
+                const int xsum = (int16_t)(uint16_t)(halves >> (16 * half));
+                const __m256i p01 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(load4(xb + 4 * j))),
+                    _mm256_maddubs_epi16(u[j + 1], _mm256_set1_epi32(load4(xb + 4 * j + 4))));
+                const __m256i p23 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(u[j + 2], _mm256_set1_epi32(load4(xb + 4 * j + 8))),
+                    _mm256_maddubs_epi16(u[j + 3], _mm256_set1_epi32(load4(xb + 4 * j + 12))));
+                h[half] = _mm256_add_epi32(
+                    _mm256_set1_epi32(-32 * xsum),
+                    _mm256_add_epi32(_mm256_madd_epi16(p01, ones), _mm256_madd_epi16(p23, ones)));
+            }
+            const __m256 sxr = _mm256_set1_ps(sx[(size_t)r * groups + g]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h[0]), _mm256_mul_ps(s0, sxr), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h[1]), _mm256_mul_ps(s1, sxr), acc[r]);
+        }
+    }
+    store_rows(acc, R, y, cg, n);
+}
+
+static QD_AVX2 void columns6_avx2(int R, const uint8_t* codes, const float* s,
+                                  const int8_t* xq, const float* sx, const float* sumx,
+                                  uint16_t* y, int lo, int hi, int n, int k) {
+    for (int cg = lo; cg < hi; cg++) {
+        QD_BY_ROWS(R, tile6_avx2, codes, s, xq, sx, sumx, y, cg, n, k)
+    }
+}
+
 #include "cpu_q4q8_wide.h"
 
 /* ``flags`` of the entry points: which loops run and how the weights are laid out. */
@@ -358,19 +429,23 @@ QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
  * take (k % 32 != 0, n < 1, rows < 1; Q8_0 weights are never paired). VNNI on paired 4-bit
  * weights runs 16 columns a vector (cpu_q4q8_wide.h); everything else the 8-column loops,
  * which read either 4-bit layout. */
-static int linear_any(const uint16_t* x, const void* codes, const uint16_t* d,
-                      const uint16_t* mn, int eight_bit, uint16_t* y, int rows, int n, int k,
+enum { QD_Q4 = 0, QD_Q8 = 1, QD_Q6 = 2 };  /* linear_any's weight kinds */
+
+static int linear_any(const uint16_t* x, const void* codes, const void* d,
+                      const uint16_t* mn, int kind, uint16_t* y, int rows, int n, int k,
                       int threads, int flags, void* scratch) {
     const int vnni = flags & QD_LOOP_VNNI, paired = (flags & QD_PAIRED) != 0;
+    const int eight_bit = kind != QD_Q4;
     if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32 || (eight_bit && paired)) return -1;
     const int groups = k / 32;
     int8_t* xq = (int8_t*)scratch;
     float* sx = (float*)(xq + (size_t)rows * k);
     float* sumx = sx + (size_t)rows * groups;
-    quantize_rows(x, rows, k, xq, sx, sumx, eight_bit, threads < 1 ? 1 : threads);
+    quantize_rows(x, rows, k, xq, sx, sumx, kind == QD_Q6 ? 2 : eight_bit,
+                  threads < 1 ? 1 : threads);
     const int col_groups = n / 8;
     const int tasks = (col_groups + QD_GROUPS_PER_TASK - 1) / QD_GROUPS_PER_TASK;
-    const size_t bytes = (size_t)n * groups * (eight_bit ? 34 : 20);
+    const size_t bytes = (size_t)n * groups * (kind == QD_Q4 ? 20 : kind == QD_Q8 ? 34 : 40);
     if (threads < 1 || bytes < QD_SERIAL_BYTES) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < tasks; t++) {
@@ -382,20 +457,24 @@ static int linear_any(const uint16_t* x, const void* codes, const uint16_t* d,
             const float* sr = sx + (size_t)r0 * groups;
             const float* ur = sumx + (size_t)r0 * groups;
             uint16_t* yr = y + (size_t)r0 * n;
-            if (eight_bit) {
+            if (kind == QD_Q6) {
+                columns6_avx2(R, (const uint8_t*)codes, (const float*)d, xr, sr, ur, yr, lo,
+                              hi, n, k);
+            } else if (kind == QD_Q8) {
                 const int8_t* c8 = (const int8_t*)codes;
                 if (vnni)
-                    columns8_vnni(R, c8, d, xr, sr, ur, yr, lo, hi, n, k);
+                    columns8_vnni(R, c8, (const uint16_t*)d, xr, sr, ur, yr, lo, hi, n, k);
                 else
-                    columns8_avx2(R, c8, d, xr, sr, ur, yr, lo, hi, n, k);
+                    columns8_avx2(R, c8, (const uint16_t*)d, xr, sr, ur, yr, lo, hi, n, k);
             } else {
                 const uint8_t* c4 = (const uint8_t*)codes;
+                const uint16_t* d4 = (const uint16_t*)d;
                 if (vnni && paired)
-                    wide_vnni(R, c4, d, mn, xr, sr, ur, yr, lo, hi, n, k);
+                    wide_vnni(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k);
                 else if (vnni)
-                    columns_vnni(R, c4, d, mn, xr, sr, ur, yr, lo, hi, n, k, 0);
+                    columns_vnni(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k, 0);
                 else
-                    columns_avx2(R, c4, d, mn, xr, sr, ur, yr, lo, hi, n, k, paired);
+                    columns_avx2(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k, paired);
             }
         }
     }
@@ -405,11 +484,18 @@ static int linear_any(const uint16_t* x, const void* codes, const uint16_t* d,
 /* 4-bit weights (the layout above QD_TILE). */
 int qd_q4q8_linear(const uint16_t* x, const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
                    uint16_t* y, int rows, int n, int k, int threads, int flags, void* scratch) {
-    return linear_any(x, codes, d, mn, 0, y, rows, n, k, threads, flags, scratch);
+    return linear_any(x, codes, d, mn, QD_Q4, y, rows, n, k, threads, flags, scratch);
 }
 
 /* Q8_0 weights (the layout above QD_TILE8); same scratch. */
 int qd_q8q8_linear(const uint16_t* x, const int8_t* codes, const uint16_t* d, uint16_t* y,
                    int rows, int n, int k, int threads, int flags, void* scratch) {
-    return linear_any(x, codes, d, NULL, 1, y, rows, n, k, threads, flags, scratch);
+    return linear_any(x, codes, d, NULL, QD_Q8, y, rows, n, k, threads, flags, scratch);
+}
+
+/* Q6_K weights (the layout above tile6_avx2); same scratch; the AVX2 loop whatever flags. */
+int qd_q6q8_linear(const uint16_t* x, const uint8_t* codes, const float* s, uint16_t* y,
+                   int rows, int n, int k, int threads, int flags, void* scratch) {
+    return linear_any(x, codes, s, NULL, QD_Q6, y, rows, n, k, threads, flags & ~QD_PAIRED,
+                      scratch);
 }

@@ -22,6 +22,10 @@ Where the CPU has AVX512-VNNI, :func:`pack` stores the 4-bit matrices' groups of
 columns in pairs, so that its loop takes 16 columns a 512-bit vector (``cpu_q4q8_wide.h``);
 elsewhere unpaired, which the AVX2 loop reads faster. Either layout gives the same bits on
 either loop (``Q4Q8Weight.paired`` tells the kernel which it reads).
+
+LM heads run on the file's own 8-bit (``Q8_0``, :func:`pack_q8`) or 6-bit (``Q6_K``, codes
+-32..31 with one exact fp32 scale per 16 weights, :func:`pack_q6`; the AVX2 loop on every
+CPU kind) blocks against the same 8-bit rows of ``x``.
 """
 
 from __future__ import annotations
@@ -75,9 +79,23 @@ class Q8Q8Weight:
 
 
 @dataclass(frozen=True)
+class Q6Q8Weight:
+    """A ``[out, in]`` matrix ``w = s · q`` (``q`` in -32..31, one fp32 scale per 16 inputs:
+    a GGUF ``Q6_K`` matrix) in the kernel's layout: :class:`Q8Q8Weight`'s codes stored as
+    ``q + 32`` (0..63, unsigned for ``vpmaddubsw``), and per block the 8 columns' scales of
+    its first 16 inputs, then of its last 16."""
+
+    codes: torch.Tensor  # [out/8, in/32, 8, 8, 4] uint8 q + 32 (group, block, chunk, col, byte)
+    s: torch.Tensor  # [out/8, in/32, 2, 8] fp32 (group, block, half, column)
+    out_features: int
+    in_features: int
+
+
+@dataclass(frozen=True)
 class _Kernels:
     q4: Any  # ctypes qd_q4q8_linear
     q8: Any  # ctypes qd_q8q8_linear
+    q6: Any  # ctypes qd_q6q8_linear
     vnni: int  # whether to run the VNNI loops
 
 
@@ -88,10 +106,12 @@ def _kernel() -> _Kernels | None:
     if lib is None:
         return None
     # (x, codes, d, [m,] y) pointers, then rows, n, k, threads, flags, then scratch
-    for fn, pointers in ((lib.qd_q4q8_linear, 5), (lib.qd_q8q8_linear, 4)):
+    for fn, pointers in ((lib.qd_q4q8_linear, 5), (lib.qd_q8q8_linear, 4),
+                         (lib.qd_q6q8_linear, 4)):
         fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int] * 5 + [ctypes.c_void_p]
         fn.restype = ctypes.c_int
-    return _Kernels(lib.qd_q4q8_linear, lib.qd_q8q8_linear, int(cbuild.cpu_has(_VNNI_FLAGS)))
+    return _Kernels(lib.qd_q4q8_linear, lib.qd_q8q8_linear, lib.qd_q6q8_linear,
+                    int(cbuild.cpu_has(_VNNI_FLAGS)))
 
 
 def available() -> bool:
@@ -208,12 +228,29 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> Q8Q8Weight:
     return Q8Q8Weight(codes, _scales(d, out, groups, paired=False), out, k)
 
 
+def pack_q6(q: torch.Tensor, s: torch.Tensor) -> Q6Q8Weight:
+    """From Q6_K codes ``q[out, in]`` (-32..31) and per-16 scales ``s [out, in / 16]`` with
+    ``w = s · q`` (:class:`engine.gguf_quant.Q6Weight`)."""
+    out, k = q.shape
+    if not supports(out, k) or s.shape != (out, k // 16):
+        raise ValueError(f"q6q8 weights need out % {COLUMNS} == 0, in % {GROUP} == 0 and "
+                         f"[out, in/16] scales; got q {tuple(q.shape)}, s {tuple(s.shape)}")
+    if q.numel() and (int(q.min()) < -32 or int(q.max()) > 31):
+        raise ValueError("q6q8 codes must be in -32..31")
+    groups = k // GROUP
+    q5 = (q.to(torch.int16) + 32).to(torch.uint8).reshape(out // COLUMNS, COLUMNS, groups, 8, 4)
+    codes = q5.permute(0, 2, 3, 1, 4).contiguous()  # [cg, g, j, col, b]
+    # [cg, col, g, half] -> [cg, g, half, col]
+    scales = s.float().reshape(out // COLUMNS, COLUMNS, groups, 2).permute(0, 2, 3, 1)
+    return Q6Q8Weight(codes, scales.contiguous(), out, k)
+
+
 def scratch_bytes(rows: int, in_features: int) -> int:
     """Bytes of scratch the kernel needs for ``rows`` rows (int8 x, block scales, sums)."""
     return rows * (in_features + 8 * (in_features // GROUP))
 
 
-def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight, *,
+def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight, *,
            vnni: bool | None = None) -> torch.Tensor:
     """``x @ w.T``: x ``[rows, in]`` (any float dtype; read as bf16) -> ``[rows, out]`` in
     x's dtype. ``vnni`` forces the inner loop (None: VNNI where the CPU has it; False runs
@@ -240,6 +277,9 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight, *,
              _flags(use_vnni, paired))
     if isinstance(weight, Q8Q8Weight):
         rc = kernel.q8(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
+                       y.data_ptr(), *shape, scratch.data_ptr())
+    elif isinstance(weight, Q6Q8Weight):
+        rc = kernel.q6(xb.data_ptr(), weight.codes.data_ptr(), weight.s.data_ptr(),
                        y.data_ptr(), *shape, scratch.data_ptr())
     else:
         rc = kernel.q4(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),

@@ -18,27 +18,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.engine.gguf_quant import LM_HEAD, Q4Weight, Q8Weight
+from quickdraft.engine.gguf_quant import LM_HEAD, HeadWeight, Q4Weight, Q6Weight, Q8Weight
 from quickdraft.engine.models.rope import RotaryEmbedding
 from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, cpu_q4q8, huge_pages, torch_ops
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.kernels.cpu_int4 import Int4Weight
-from quickdraft.kernels.cpu_q4q8 import Q4Q8Weight, Q8Q8Weight
+from quickdraft.kernels.cpu_q4q8 import Q4Q8Weight, Q6Q8Weight, Q8Q8Weight
 
 # A linear layer's 4-bit copy, by kernel: "torch" (ATen's int4 kernel, bf16 activations) or
 # "q8" (kernels.cpu_q4q8: activations rounded to 8 bits, cheap extra rows; with it the LM
-# head runs on the file's Q8_0 blocks where it has them).
+# head runs on the file's Q8_0 or Q6_K blocks where it has them).
 FOUR_BIT_KERNELS = ("torch", "q8")
-FourBitWeight = Int4Weight | Q4Q8Weight | Q8Q8Weight
+FourBitWeight = Int4Weight | Q4Q8Weight | Q8Q8Weight | Q6Q8Weight
 
 
 def _four_bit_linear(x: torch.Tensor, weight: FourBitWeight) -> torch.Tensor:
-    if isinstance(weight, Q4Q8Weight | Q8Q8Weight):
+    if isinstance(weight, Q4Q8Weight | Q8Q8Weight | Q6Q8Weight):
         return cpu_q4q8.linear(x, weight)
     return cpu_int4.linear(x, weight)
 
 
-def _q4(weight: Q4Weight | Q8Weight) -> Q4Weight:
+def _q4(weight: Q4Weight | HeadWeight) -> Q4Weight:
     assert isinstance(weight, Q4Weight), "the layers' matrices are 4-bit"
     return weight
 
@@ -58,7 +58,7 @@ def _onto_huge_pages(linears: list[Linear]) -> None:
 
 def _native_parts(weight: FourBitWeight) -> tuple[torch.Tensor, ...]:
     """The tensors :func:`kernels.cpu_layer.layer_weights` takes for one matrix."""
-    assert not isinstance(weight, Q8Q8Weight), "the layers' matrices are 4-bit"
+    assert not isinstance(weight, Q8Q8Weight | Q6Q8Weight), "the layers' matrices are 4-bit"
     if isinstance(weight, Q4Q8Weight):
         return cpu_q4q8.native_parts(weight)
     return weight.packed, weight.scales_and_zeros
@@ -391,12 +391,16 @@ class LlamaForCausalLM(nn.Module):
         self._stack = (kv_caches, stack)
         return stack
 
-    def attach_int4_weights(self, weights: Mapping[str, Q4Weight | Q8Weight],
+    def attach_int4_weights(self, weights: Mapping[str, Q4Weight | HeadWeight],
                             kernel: str = "torch") -> int:
         """Give the layers 4-bit copies of their weights from ``weights`` (HF names, e.g. a
         GGUF's Q4_1 matrices), packed for ``kernel`` (one of :data:`FOUR_BIT_KERNELS`); a
         fused matrix (qkv, gate_up) only when all its parts are there. With the ``"q8"``
-        kernel the LM head gets the Q8_0 copy under ``gguf_quant.LM_HEAD`` when there is one.
+        kernel the LM head gets the Q8_0 or Q6_K copy under ``gguf_quant.LM_HEAD`` when there
+        is one.
+        A layer matrix of one part stored as Q6_K (Qwen's ``down_proj`` in some layers) runs
+        on the 6-bit loop with the ``"q8"`` kernel (such a layer stays in Python: the native
+        layer takes four 4-bit matrices); a fused matrix needs all its parts 4-bit.
         Returns how many decoder-layer linear layers have one (an empty dict drops them
         all, the head's too)."""
         if kernel not in FOUR_BIT_KERNELS:
@@ -409,8 +413,17 @@ class LlamaForCausalLM(nn.Module):
                 linear = layer.get_submodule(target)
                 assert isinstance(linear, Linear)
                 names = [f"{prefix}{part}.weight" for part in parts]
-                if (weights and all(n in weights for n in names)
-                        and module.supports(*linear.weight.shape)):
+                if not module.supports(*linear.weight.shape):
+                    linear.int4, linear.use_int4 = None, False
+                    continue
+                six = weights.get(names[0]) if len(names) == 1 else None
+                if kernel == "q8" and isinstance(six, Q6Weight):
+                    if six.shape != tuple(linear.weight.shape):
+                        raise ValueError(f"{names[0]}: Q6_K shape {six.shape}, expected "
+                                         f"{tuple(linear.weight.shape)}")
+                    linear.int4 = cpu_q4q8.pack_q6(six.q, six.s)
+                    count += 1
+                elif weights and all(isinstance(weights.get(n), Q4Weight) for n in names):
                     q4 = Q4Weight.cat([_q4(weights[n]) for n in names])
                     if q4.shape != tuple(linear.weight.shape):
                         raise ValueError(f"{names[0]}: 4-bit shape {q4.shape}, expected "
@@ -421,12 +434,14 @@ class LlamaForCausalLM(nn.Module):
                     linear.int4, linear.use_int4 = None, False
         head = weights.get(LM_HEAD)
         self.lm_head.int4, self.lm_head.use_int4 = None, False
-        if kernel == "q8" and isinstance(head, Q8Weight):
+        if kernel == "q8" and isinstance(head, Q8Weight | Q6Weight):
             if head.shape != tuple(self.lm_head.weight.shape):
-                raise ValueError(f"{LM_HEAD}: Q8_0 shape {head.shape}, expected "
-                                 f"{tuple(self.lm_head.weight.shape)}")
+                raise ValueError(f"{LM_HEAD}: {type(head).__name__} shape {head.shape}, "
+                                 f"expected {tuple(self.lm_head.weight.shape)}")
             if cpu_q4q8.supports(*head.shape):
-                self.lm_head.int4 = cpu_q4q8.pack_q8(head.q, head.d)
+                self.lm_head.int4 = (cpu_q4q8.pack_q8(head.q, head.d)
+                                     if isinstance(head, Q8Weight)
+                                     else cpu_q4q8.pack_q6(head.q, head.s))
         _onto_huge_pages([m for m in self.modules() if isinstance(m, Linear)])
         self._bind_native_layers()
         return count

@@ -86,6 +86,29 @@ def test_q8_0_unpack_equals_gguf_dequantize():
     assert torch.equal(w.dequantize(), want)
 
 
+def _q6_k_blocks(rows: int, k: int, seed: int) -> np.ndarray:
+    """Valid Q6_K rows: random codes and int8 scales (-128 included), finite fp16 ``d``."""
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(rows * k // 256, 210), dtype=np.uint8)
+    d = (rng.standard_normal(b.shape[0]) * 0.01).astype(np.float16)
+    b[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+    b[0, 192] = 0x80  # an int8 scale of -128
+    return b.reshape(rows, -1)
+
+
+def test_q6_k_unpack_equals_gguf_dequantize():
+    """Codes -32..31 and one scale per 16 weights, ``d · sc`` exact in fp32: the product with
+    a code is gguf's own dequantized value bit for bit (and transformers')."""
+    rows, k = 3, 512
+    blocks = _q6_k_blocks(rows, k, seed=5)
+    w = gguf_quant._unpack_q6_k(blocks, rows, k)
+    assert w.q.dtype == torch.int8 and w.shape == (rows, k) and w.s.shape == (rows, k // 16)
+    assert int(w.q.min()) == -32 and int(w.q.max()) == 31
+    want = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q6_K)
+                            .reshape(rows, k))
+    assert torch.equal(w.dequantize(), want)
+
+
 @pytest.mark.slow
 def test_default_model_q8_head_equals_the_converted_embedding(default_model_dir):
     """SmolLM2's tied embedding is Q8_0: read as the LM head, it dequantizes bit for bit to
@@ -99,15 +122,16 @@ def test_default_model_q8_head_equals_the_converted_embedding(default_model_dir)
     assert len(weights) == 7 * config.num_hidden_layers + 1
     dense = dict(loader.iter_safetensors(default_model_dir))
     assert torch.equal(head.dequantize(), dense["model.embed_tokens.weight"])
-    assert gguf_quant.read_q8_head(loader.default_gguf_path(), tied=False) is None
+    assert gguf_quant.read_head(loader.default_gguf_path(), tied=False) is None
 
 
 def test_cache_file_round_trips(tmp_path):
-    w: dict[str, gguf_quant.Q4Weight | gguf_quant.Q8Weight] = {
+    w: dict[str, gguf_quant.Q4Weight | gguf_quant.HeadWeight] = {
         f"model.layers.{i}.mlp.up_proj.weight": gguf_quant._unpack(
             _random_blocks(GGMLQuantizationType.Q4_1, 16, 64, seed=i), 16, 64, has_min=True)
         for i in range(2)}
     w[gguf_quant.LM_HEAD] = gguf_quant._unpack_q8_0(_q8_0_blocks(8, 64, seed=9), 8, 64)
+    w["output.q6"] = gguf_quant._unpack_q6_k(_q6_k_blocks(8, 256, seed=4), 8, 256)
     path = tmp_path / "q4.safetensors"
     gguf_quant.save_q4_weights(path, w)
     back = gguf_quant.load_q4_weights(path)

@@ -20,6 +20,19 @@ def random_q4_weights(out: int, k: int, seed: int,
     return q, d, m
 
 
+def random_q6_weights(out: int, k: int, seed: int) -> Any:
+    """An :class:`engine.gguf_quant.Q6Weight`: codes over the whole 6-bit range and per-16
+    scales ``d · sc`` as a Q6_K file has them (an fp16 ``d`` per 256 weights times an int8
+    ``sc``, -128 included)."""
+    from quickdraft.engine.gguf_quant import Q6Weight
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (out, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(out, -(-k // 256), generator=g) * 1e-3 + 1e-5).half().float()
+    sc = torch.randint(-128, 128, (out, k // 16), generator=g).float()
+    return Q6Weight(q, d.repeat_interleave(16, dim=1)[:, : k // 16] * sc)
+
+
 def dense(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``w = d · q + m`` as a dense ``[out, k]`` matrix in ``dtype``."""
@@ -39,6 +52,20 @@ def q8_rounded(x: torch.Tensor) -> torch.Tensor:
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     xq = torch.round(xf * inv).clamp(-127, 127)
     return (xq.double() * (amax / 127.0).double()).view(rows, k)
+
+
+def assert_matches_q8_reference(y: torch.Tensor, x: torch.Tensor,
+                                weight: torch.Tensor) -> None:
+    """``y = linear(x, packed weight)`` against x rounded to 8 bits as the kernels do and the
+    exact dense ``weight [out, k]`` in fp64: only fp32 accumulation and the output's bf16
+    rounding are left; and within a few per cent of the unrounded product."""
+    dense_w = weight.double()
+    ref = q8_rounded(x) @ dense_w.t()
+    magnitude = q8_rounded(x).abs() @ dense_w.abs().t()
+    error = (y.double() - ref).abs()
+    assert bool((error <= 2 ** -8 * ref.abs() + 1e-6 * magnitude).all())
+    torch.testing.assert_close(y.double(), x.double() @ dense_w.t(), rtol=0.03,
+                               atol=0.03 * float(ref.abs().max()))
 
 
 def assert_rows_threads_and_isa_agree(linear: Callable[..., torch.Tensor], weight: Any,

@@ -1,14 +1,22 @@
-"""kernels.cpu_q4q8's Q8_0-weight path (the 8-bit LM head): 8-bit weights x 8-bit
-activations, against a plain-torch reference."""
+"""kernels.cpu_q4q8's Q8_0- and Q6_K-weight paths (the 8-bit and 6-bit LM heads): 8- or
+6-bit weights x 8-bit activations, against a plain-torch reference (the Q6_K path's own
+cases: test_cpu_q6q8.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from quickdraft.engine.gguf_quant import Q8Weight
 from quickdraft.kernels import cpu_q4q8
-from tests.kernels.four_bit_oracle import assert_rows_threads_and_isa_agree, q8_rounded
+from tests.kernels.four_bit_oracle import (
+    assert_matches_q8_reference,
+    assert_rows_threads_and_isa_agree,
+    random_q6_weights,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_q4q8.available(), reason="q4q8 kernel not built here")
 
@@ -22,29 +30,31 @@ def _weights(out: int, k: int, seed: int) -> Q8Weight:
     return Q8Weight(q, d)
 
 
+# format -> (random weights (out, k, seed), packed for the kernel)
+FORMATS: dict[str, tuple[Callable[[int, int, int], Any], Callable[[Any], Any]]] = {
+    "q8_0": (lambda out, k, seed: _weights(out, k, seed), lambda w: cpu_q4q8.pack_q8(w.q, w.d)),
+    "q6_k": (random_q6_weights, lambda w: cpu_q4q8.pack_q6(w.q, w.s)),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("out", "k"), [(1024, 576), (64, 1536), (8, 32)])
 @pytest.mark.parametrize("rows", [1, 4, 8, 11])
-def test_linear_matches_the_q8_reference(out, k, rows):
-    """Against x rounded to 8 bits as the kernel does and the exact weights in fp64, only
-    fp32 accumulation and the output's bf16 rounding are left."""
-    w = _weights(out, k, seed=out + k)
-    packed = cpu_q4q8.pack_q8(w.q, w.d)
+def test_linear_matches_the_q8_reference(fmt, out, k, rows):
+    """Against x rounded to 8 bits as the kernel does and the exact weights in fp64."""
+    make, pack = FORMATS[fmt]
+    w = make(out, k, out + k)
     x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 2).bfloat16()
-    y = cpu_q4q8.linear(x, packed)
+    y = cpu_q4q8.linear(x, pack(w))
     assert y.dtype == torch.bfloat16 and y.shape == (rows, out)
-    dense = w.dequantize().double()
-    ref = q8_rounded(x) @ dense.t()
-    magnitude = q8_rounded(x).abs() @ dense.abs().t()
-    error = (y.double() - ref).abs()
-    assert bool((error <= 2 ** -8 * ref.abs() + 1e-6 * magnitude).all())
-    torch.testing.assert_close(y.double(), x.double() @ dense.t(), rtol=0.03,
-                               atol=0.03 * float(ref.abs().max()))
+    assert_matches_q8_reference(y, x, w.dequantize())
 
 
-def test_rows_threads_and_instruction_sets_give_the_same_bits():
-    w = _weights(256, 576, seed=3)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_threads_and_instruction_sets_give_the_same_bits(fmt):
+    make, pack = FORMATS[fmt]
     x = torch.randn(17, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
-    assert_rows_threads_and_isa_agree(cpu_q4q8.linear, cpu_q4q8.pack_q8(w.q, w.d), x,
+    assert_rows_threads_and_isa_agree(cpu_q4q8.linear, pack(make(256, 576, 3)), x,
                                       cpu_q4q8.uses_vnni())
 
 

@@ -1,0 +1,112 @@
+"""kernels.cpu_q4q8's Q6_K-weight path (Qwen2.5's 6-bit LM head and some of its
+``down_proj``): exact extreme codes, refused shapes, and the model's LM head and layers on
+it (its reference and bit-equality tests: test_cpu_q8q8.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quickdraft.engine.gguf_quant import LM_HEAD
+from quickdraft.kernels import cpu_q4q8
+from tests.kernels.four_bit_oracle import random_q6_weights
+
+pytestmark = pytest.mark.skipif(not cpu_q4q8.available(), reason="q4q8 kernel not built here")
+
+
+def test_extreme_codes_are_exact():
+    """Every code -32 or 31 against x at -127 after rounding, in both halves of a block with
+    different scales: exact integer sums (|2 · 32 · 127| < 2^15 in the 16-bit pairs)."""
+    k = 64
+    q = torch.full((8, k), -32, dtype=torch.int8)
+    q[4:] = 31
+    s = torch.ones(8, k // 16)
+    s[:, 1::2] = 2.0  # the second half of each block weighs twice
+    x = torch.full((1, k), -1.0, dtype=torch.bfloat16)  # rounds to -127, sx = 1/127
+    y = cpu_q4q8.linear(x, cpu_q4q8.pack_q6(q, s)).float()
+    want = torch.tensor([[32.0 * 48 * 2] * 4 + [-31.0 * 48 * 2] * 4])  # 32·(16·1 + 16·2) a block
+    torch.testing.assert_close(y, want.bfloat16().float(), rtol=0, atol=0)
+
+
+def test_bad_shapes_and_codes_are_refused():
+    w = random_q6_weights(16, 64, 1)
+    with pytest.raises(ValueError, match="q6q8 weights need"):
+        cpu_q4q8.pack_q6(w.q[:12], w.s[:12])
+    with pytest.raises(ValueError, match="q6q8 weights need"):
+        cpu_q4q8.pack_q6(w.q, w.s[:, :2])
+    with pytest.raises(ValueError, match=r"-32\.\.31"):
+        cpu_q4q8.pack_q6(torch.full((8, 32), 40, dtype=torch.int8), torch.ones(8, 2))
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_q4q8.linear(torch.zeros(2, 32), cpu_q4q8.pack_q6(w.q, w.s))
+    assert cpu_q4q8.linear(torch.zeros(0, 64), cpu_q4q8.pack_q6(w.q, w.s)).shape == (0, 16)
+
+
+def test_a_model_runs_its_lm_head_on_q6_k_blocks():
+    """``attach_int4_weights`` with the ``q8`` kernel puts a Q6_K head on the 6-bit loop: the
+    logits are the kernel's product with the head's blocks, the same for a row alone as in
+    a batch, and close to the dense head's."""
+    from transformers import LlamaConfig
+
+    from quickdraft.engine.models.llama import LlamaForCausalLM
+    from quickdraft.kernels import torch_attention
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config, torch.bfloat16, 64, torch_attention)
+    model.init_random_weights(seed=0)
+    vocab, hidden = model.lm_head.weight.shape
+    head = random_q6_weights(vocab, hidden, 7)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(head.dequantize().bfloat16())
+    h = torch.randn(5, hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+    dense = model.compute_logits(h)
+    model.attach_int4_weights({LM_HEAD: head}, "q8")
+    model.use_int4(True)
+    assert isinstance(model.lm_head.int4, cpu_q4q8.Q6Q8Weight) and model.lm_head.use_int4
+    logits = model.compute_logits(h)
+    assert torch.equal(logits, cpu_q4q8.linear(h, model.lm_head.int4).float())
+    assert torch.equal(logits[2:3], model.compute_logits(h[2:3]))
+    torch.testing.assert_close(logits, dense, rtol=0.05, atol=0.05 * float(dense.abs().max()))
+
+
+def test_a_q6_k_down_projection_runs_on_the_6_bit_loop_in_the_python_layer():
+    """A layer whose ``down_proj`` is Q6_K (the others 4-bit) multiplies by its 6-bit blocks
+    with the ``q8`` kernel and stays out of the native layer (which takes four 4-bit
+    matrices); a fused matrix with a Q6_K part keeps its dense weights."""
+    from transformers import LlamaConfig
+
+    from quickdraft.engine.gguf_quant import Q4Weight
+    from quickdraft.engine.models.llama import LlamaForCausalLM
+    from quickdraft.kernels import torch_attention
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config, torch.bfloat16, 64, torch_attention)
+    model.init_random_weights(seed=0)
+    g = torch.Generator().manual_seed(3)
+
+    def q4(out: int, k: int) -> Q4Weight:
+        return Q4Weight(torch.randint(0, 16, (out, k), generator=g, dtype=torch.uint8),
+                        torch.rand(out, k // 32, generator=g) * 0.01,
+                        -torch.rand(out, k // 32, generator=g) * 0.05)
+
+    weights: dict[str, object] = {}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for name, (out, k) in {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
+                               "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
+                               "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64)}.items():
+            weights[f"{p}{name}.weight"] = q4(out, k)
+        down = q4(64, 96) if i == 0 else random_q6_weights(64, 96, 5)
+        weights[f"{p}mlp.down_proj.weight"] = down
+    # a Q6_K part: layer 0's fused qkv stays dense
+    weights["model.layers.0.self_attn.v_proj.weight"] = random_q6_weights(32, 64, 6)
+    assert model.attach_int4_weights(weights, "q8") == 7  # type: ignore[arg-type]
+    model.use_int4(True)
+    layer0, layer1 = model.layers
+    assert layer0.self_attn.qkv.int4 is None and not layer0.self_attn.qkv.use_int4
+    assert isinstance(layer1.mlp.down.int4, cpu_q4q8.Q6Q8Weight) and layer1.mlp.down.use_int4
+    assert layer1.native is None  # a 6-bit matrix: the Python layer
+    x = torch.randn(3, 96, generator=g).bfloat16()
+    assert torch.equal(layer1.mlp.down(x), cpu_q4q8.linear(x, layer1.mlp.down.int4))
