@@ -29,18 +29,56 @@ from quickdraft.kernels.cpu_q4q8 import Q4Q8Weight, Q6Q8Weight, Q8Q8Weight
 # "q8" (kernels.cpu_q4q8: activations rounded to 8 bits, cheap extra rows; with it the LM
 # head runs on the file's Q8_0 or Q6_K blocks where it has them).
 FOUR_BIT_KERNELS = ("torch", "q8")
-FourBitWeight = Int4Weight | Q4Q8Weight | Q8Q8Weight | Q6Q8Weight
+
+
+@dataclass(frozen=True)
+class StackedWeight:
+    """A fused matrix whose parts the file stores in different formats (Qwen's qkv with a
+    Q6_K ``v_proj`` and Q4_K ``q_proj``/``k_proj``): each part on its own loop of
+    :mod:`kernels.cpu_q4q8`, the outputs side by side (each row still computed alone)."""
+
+    parts: tuple[Q4Q8Weight | Q6Q8Weight, ...]
+
+
+FourBitWeight = Int4Weight | Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | StackedWeight
 
 
 def _four_bit_linear(x: torch.Tensor, weight: FourBitWeight) -> torch.Tensor:
     if isinstance(weight, Q4Q8Weight | Q8Q8Weight | Q6Q8Weight):
         return cpu_q4q8.linear(x, weight)
+    if isinstance(weight, StackedWeight):
+        return torch.cat([cpu_q4q8.linear(x, part) for part in weight.parts], dim=-1)
     return cpu_int4.linear(x, weight)
 
 
 def _q4(weight: Q4Weight | HeadWeight) -> Q4Weight:
     assert isinstance(weight, Q4Weight), "the layers' matrices are 4-bit"
     return weight
+
+
+def _pack_mixed(names: list[str], parts: list[Any],
+                shape: tuple[int, ...]) -> Q6Q8Weight | StackedWeight:
+    """A matrix with Q6_K parts (and maybe 4-bit ones) for :mod:`kernels.cpu_q4q8`: a lone
+    Q6_K matrix packed as it is, else the parts one by one (adjacent 4-bit parts fused)."""
+    runs: list[list[Any]] = []
+    for part in parts:
+        if runs and isinstance(part, Q4Weight) and isinstance(runs[-1][0], Q4Weight):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    packed = [cpu_q4q8.pack_q6(run[0].q, run[0].s) if isinstance(run[0], Q6Weight)
+              else cpu_q4q8.pack(*_cat_q4(run)) for run in runs]
+    rows = sum(p.out_features for p in packed)
+    if (rows, packed[0].in_features) != shape:
+        raise ValueError(f"{names[0]}: Q6_K/4-bit parts of shape {(rows, packed[0].in_features)}"
+                         f", expected {shape}")
+    return packed[0] if len(packed) == 1 and isinstance(packed[0], Q6Q8Weight) \
+        else StackedWeight(tuple(packed))
+
+
+def _cat_q4(run: list[Q4Weight]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q4 = Q4Weight.cat(run)
+    return q4.q, q4.d, q4.m
 
 
 def _onto_huge_pages(linears: list[Linear]) -> None:
@@ -58,7 +96,8 @@ def _onto_huge_pages(linears: list[Linear]) -> None:
 
 def _native_parts(weight: FourBitWeight) -> tuple[torch.Tensor, ...]:
     """The tensors :func:`kernels.cpu_layer.layer_weights` takes for one matrix."""
-    assert not isinstance(weight, Q8Q8Weight | Q6Q8Weight), "the layers' matrices are 4-bit"
+    assert not isinstance(weight, Q8Q8Weight | Q6Q8Weight | StackedWeight), \
+        "the layers' matrices are 4-bit"
     if isinstance(weight, Q4Q8Weight):
         return cpu_q4q8.native_parts(weight)
     return weight.packed, weight.scales_and_zeros
@@ -398,9 +437,10 @@ class LlamaForCausalLM(nn.Module):
         fused matrix (qkv, gate_up) only when all its parts are there. With the ``"q8"``
         kernel the LM head gets the Q8_0 or Q6_K copy under ``gguf_quant.LM_HEAD`` when there
         is one.
-        A layer matrix of one part stored as Q6_K (Qwen's ``down_proj`` in some layers) runs
-        on the 6-bit loop with the ``"q8"`` kernel (such a layer stays in Python: the native
-        layer takes four 4-bit matrices); a fused matrix needs all its parts 4-bit.
+        With the ``"q8"`` kernel a matrix stored as Q6_K (Qwen's ``down_proj`` and
+        ``v_proj`` in some layers) runs on the 6-bit loop, a fused one with such a part as a
+        :class:`StackedWeight` (such layers stay in Python: the native layer takes four
+        4-bit matrices); with ``"torch"`` a fused matrix needs all its parts 4-bit.
         Returns how many decoder-layer linear layers have one (an empty dict drops them
         all, the head's too)."""
         if kernel not in FOUR_BIT_KERNELS:
@@ -416,14 +456,12 @@ class LlamaForCausalLM(nn.Module):
                 if not module.supports(*linear.weight.shape):
                     linear.int4, linear.use_int4 = None, False
                     continue
-                six = weights.get(names[0]) if len(names) == 1 else None
-                if kernel == "q8" and isinstance(six, Q6Weight):
-                    if six.shape != tuple(linear.weight.shape):
-                        raise ValueError(f"{names[0]}: Q6_K shape {six.shape}, expected "
-                                         f"{tuple(linear.weight.shape)}")
-                    linear.int4 = cpu_q4q8.pack_q6(six.q, six.s)
+                found = [weights.get(n) for n in names]
+                if kernel == "q8" and any(isinstance(w, Q6Weight) for w in found) \
+                        and all(isinstance(w, Q4Weight | Q6Weight) for w in found):
+                    linear.int4 = _pack_mixed(names, found, tuple(linear.weight.shape))
                     count += 1
-                elif weights and all(isinstance(weights.get(n), Q4Weight) for n in names):
+                elif weights and all(isinstance(w, Q4Weight) for w in found):
                     q4 = Q4Weight.cat([_q4(weights[n]) for n in names])
                     if q4.shape != tuple(linear.weight.shape):
                         raise ValueError(f"{names[0]}: 4-bit shape {q4.shape}, expected "

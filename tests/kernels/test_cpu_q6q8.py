@@ -70,15 +70,16 @@ def test_a_model_runs_its_lm_head_on_q6_k_blocks():
     torch.testing.assert_close(logits, dense, rtol=0.05, atol=0.05 * float(dense.abs().max()))
 
 
-def test_a_q6_k_down_projection_runs_on_the_6_bit_loop_in_the_python_layer():
-    """A layer whose ``down_proj`` is Q6_K (the others 4-bit) multiplies by its 6-bit blocks
-    with the ``q8`` kernel and stays out of the native layer (which takes four 4-bit
-    matrices); a fused matrix with a Q6_K part keeps its dense weights."""
+def test_q6_k_layer_matrices_run_on_the_6_bit_loop_in_the_python_layer():
+    """With the ``q8`` kernel a Q6_K ``down_proj`` multiplies by its 6-bit blocks, and a fused
+    qkv with a Q6_K ``v_proj`` runs each part on its own loop (q and k fused on the 4-bit
+    one), outputs side by side; such layers stay out of the native layer (four 4-bit
+    matrices), and every output row is the same alone as in a batch."""
     from transformers import LlamaConfig
 
     from quickdraft.engine.gguf_quant import Q4Weight
-    from quickdraft.engine.models.llama import LlamaForCausalLM
-    from quickdraft.kernels import torch_attention
+    from quickdraft.engine.models.llama import FUSED_CPU_OPS, LlamaForCausalLM, StackedWeight
+    from quickdraft.kernels import cpu_layer, torch_attention
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -96,17 +97,27 @@ def test_a_q6_k_down_projection_runs_on_the_6_bit_loop_in_the_python_layer():
         p = f"model.layers.{i}."
         for name, (out, k) in {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64),
                                "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
-                               "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64)}.items():
+                               "mlp.gate_proj": (96, 64), "mlp.up_proj": (96, 64),
+                               "mlp.down_proj": (64, 96)}.items():
             weights[f"{p}{name}.weight"] = q4(out, k)
-        down = q4(64, 96) if i == 0 else random_q6_weights(64, 96, 5)
-        weights[f"{p}mlp.down_proj.weight"] = down
-    # a Q6_K part: layer 0's fused qkv stays dense
-    weights["model.layers.0.self_attn.v_proj.weight"] = random_q6_weights(32, 64, 6)
-    assert model.attach_int4_weights(weights, "q8") == 7  # type: ignore[arg-type]
+    weights["model.layers.1.mlp.down_proj.weight"] = random_q6_weights(64, 96, 5)
+    weights["model.layers.1.self_attn.v_proj.weight"] = random_q6_weights(32, 64, 6)
+    model.use_layer_ops(FUSED_CPU_OPS)
+    assert model.attach_int4_weights(weights, "q8") == 8  # type: ignore[arg-type]
     model.use_int4(True)
     layer0, layer1 = model.layers
-    assert layer0.self_attn.qkv.int4 is None and not layer0.self_attn.qkv.use_int4
-    assert isinstance(layer1.mlp.down.int4, cpu_q4q8.Q6Q8Weight) and layer1.mlp.down.use_int4
-    assert layer1.native is None  # a 6-bit matrix: the Python layer
+    if cpu_layer.available() and cpu_layer.takes_q4q8():
+        assert layer0.native is not None  # four 4-bit matrices
+    assert layer1.native is None  # 6-bit ones: the Python layer
+    down, qkv = layer1.mlp.down, layer1.self_attn.qkv
+    assert isinstance(down.int4, cpu_q4q8.Q6Q8Weight) and down.use_int4
+    assert isinstance(qkv.int4, StackedWeight) and qkv.use_int4
+    first, v = qkv.int4.parts
+    assert isinstance(first, cpu_q4q8.Q4Q8Weight) and first.out_features == 96
+    assert isinstance(v, cpu_q4q8.Q6Q8Weight) and v.out_features == 32
     x = torch.randn(3, 96, generator=g).bfloat16()
-    assert torch.equal(layer1.mlp.down(x), cpu_q4q8.linear(x, layer1.mlp.down.int4))
+    assert torch.equal(down(x), cpu_q4q8.linear(x, down.int4))
+    h = torch.randn(3, 64, generator=g).bfloat16()
+    y = qkv(h)
+    assert torch.equal(y, torch.cat([cpu_q4q8.linear(h, first), cpu_q4q8.linear(h, v)], -1))
+    assert torch.equal(y[1:2], qkv(h[1:2]))
