@@ -94,22 +94,27 @@ class Q8Weight:
 
 @dataclass(frozen=True)
 class Q6Weight:
-    """``w[n, k] = s[n, k // 16] · q[n, k]`` for a ``[out, in]`` matrix (GGUF ``Q6_K``:
-    ``s = d · sc`` of its super-block's fp16 ``d`` and the int8 scale of the 16 weights)."""
+    """``w[n, k] = d[n, k // 256] · sc[n, k // 16] · q[n, k]`` for a ``[out, in]`` matrix (GGUF
+    ``Q6_K`` as stored: an fp16 ``d`` per super-block of 256 and an int8 ``sc`` per 16
+    weights; ``d · sc`` is exact in fp32, and so is its product with a code)."""
 
     q: torch.Tensor  # [out, in] int8, values -32..31
-    s: torch.Tensor  # [out, in / 16] fp32 (exact: an fp16 times an int8)
+    d: torch.Tensor  # [out, ceil(in / 256)] fp32 (fp16 values)
+    sc: torch.Tensor  # [out, in / 16] int8
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
 
+    def scales(self) -> torch.Tensor:  # [out, in / 16] fp32: d · sc, exact
+        return self.d.repeat_interleave(16, dim=1)[:, : self.sc.shape[1]] * self.sc.float()
+
     def dequantize(self) -> torch.Tensor:  # [out, in] fp32, exact
         out, k = self.shape
-        return (self.s[..., None] * self.q.view(out, k // 16, 16).float()).view(out, k)
+        return (self.scales()[..., None] * self.q.view(out, k // 16, 16).float()).view(out, k)
 
     def rows(self, index: torch.Tensor) -> Q6Weight:
-        return Q6Weight(self.q[index], self.s[index])
+        return Q6Weight(self.q[index], self.d[index], self.sc[index])
 
 
 HeadWeight = Q8Weight | Q6Weight  # the LM head formats read as stored
@@ -131,14 +136,14 @@ def _unpack_q6_k(blocks: np.ndarray, out: int, k: int) -> Q6Weight:
     n = out * (k // 256)
     b = np.ascontiguousarray(blocks).reshape(n, 210)
     ql, qh = b[:, :128], b[:, 128:192]
-    sc = b[:, 192:208].copy().view(np.int8).astype(np.float32)  # [n, 16]
+    sc = b[:, 192:208].copy().view(np.int8)  # [n, 16]
     d = b[:, 208:210].copy().view(np.float16)[:, 0].astype(np.float32)
     low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
     q = (low.reshape(n, 8, 32) | (high.reshape(n, 8, 32) << 4)).astype(np.int8) - 32
-    s = d[:, None] * sc  # [n, 16]: exact (11-bit by 8-bit significands)
     return Q6Weight(torch.from_numpy(q.reshape(out, k).copy()),
-                    torch.from_numpy(s.reshape(out, k // 16).copy()))
+                    torch.from_numpy(d.reshape(out, k // 256).copy()),
+                    torch.from_numpy(sc.reshape(out, k // 16).copy()))
 
 
 def _unpack(blocks: np.ndarray, out: int, k: int, has_min: bool) -> Q4Weight:
@@ -257,7 +262,8 @@ def save_q4_weights(path: Path, weights: dict[str, Q4Weight | HeadWeight]) -> No
             tensors[f"{name}.q8"], tensors[f"{name}.d"] = w.q.contiguous(), w.d.contiguous()
             continue
         if isinstance(w, Q6Weight):
-            tensors[f"{name}.q6"], tensors[f"{name}.s16"] = w.q.contiguous(), w.s.contiguous()
+            tensors[f"{name}.q6"], tensors[f"{name}.d"] = w.q.contiguous(), w.d.contiguous()
+            tensors[f"{name}.sc"] = w.sc.contiguous()
             continue
         tensors[f"{name}.q"] = (w.q[:, 0::2] | (w.q[:, 1::2] << 4)).contiguous()
         tensors[f"{name}.d"], tensors[f"{name}.m"] = w.d.contiguous(), w.m.contiguous()
@@ -275,7 +281,8 @@ def load_q4_weights(path: Path) -> dict[str, Q4Weight | HeadWeight]:
             weights[key[:-3]] = Q8Weight(tensors[key], tensors[f"{key[:-3]}.d"])
             continue
         if key.endswith(".q6"):
-            weights[key[:-3]] = Q6Weight(tensors[key], tensors[f"{key[:-3]}.s16"])
+            name = key[:-3]
+            weights[name] = Q6Weight(tensors[key], tensors[f"{name}.d"], tensors[f"{name}.sc"])
             continue
         if not key.endswith(".q"):
             continue

@@ -24,8 +24,9 @@ elsewhere unpaired, which the AVX2 loop reads faster. Either layout gives the sa
 either loop (``Q4Q8Weight.paired`` tells the kernel which it reads).
 
 LM heads run on the file's own 8-bit (``Q8_0``, :func:`pack_q8`) or 6-bit (``Q6_K``, codes
--32..31 with one exact fp32 scale per 16 weights, :func:`pack_q6`; the AVX2 loop on every
-CPU kind) blocks against the same 8-bit rows of ``x``.
+-32..31 with an int8 scale per 16 weights and an fp16 one per 256, :func:`pack_q6`; the
+AVX2 loop on every CPU kind) blocks against the same 8-bit rows of ``x``, and so do Q6_K
+layer matrices.
 """
 
 from __future__ import annotations
@@ -80,13 +81,15 @@ class Q8Q8Weight:
 
 @dataclass(frozen=True)
 class Q6Q8Weight:
-    """A ``[out, in]`` matrix ``w = s · q`` (``q`` in -32..31, one fp32 scale per 16 inputs:
-    a GGUF ``Q6_K`` matrix) in the kernel's layout: :class:`Q8Q8Weight`'s codes stored as
-    ``q + 32`` (0..63, unsigned for ``vpmaddubsw``), and per block the 8 columns' scales of
-    its first 16 inputs, then of its last 16."""
+    """A ``[out, in]`` matrix ``w = d · sc · q`` (a GGUF ``Q6_K`` matrix: ``q`` in -32..31, an
+    int8 ``sc`` per 16 inputs, an fp16 ``d`` per 256) in the kernel's layout:
+    :class:`Q8Q8Weight`'s codes stored as ``q + 32`` (0..63, unsigned for ``vpmaddubsw``),
+    per block the 8 columns' ``sc`` of its first 16 inputs, then of its last 16, and per 8
+    blocks the 8 columns' ``d``."""
 
     codes: torch.Tensor  # [out/8, in/32, 8, 8, 4] uint8 q + 32 (group, block, chunk, col, byte)
-    s: torch.Tensor  # [out/8, in/32, 2, 8] fp32 (group, block, half, column)
+    sc: torch.Tensor  # [out/8, in/32, 2, 8] int8 (group, block, half, column)
+    d: torch.Tensor  # [out/8, ceil(in/256), 8] fp16 (group, super-block, column)
     out_features: int
     in_features: int
 
@@ -107,7 +110,7 @@ def _kernel() -> _Kernels | None:
         return None
     # (x, codes, d, [m,] y) pointers, then rows, n, k, threads, flags, then scratch
     for fn, pointers in ((lib.qd_q4q8_linear, 5), (lib.qd_q8q8_linear, 4),
-                         (lib.qd_q6q8_linear, 4)):
+                         (lib.qd_q6q8_linear, 5)):
         fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int] * 5 + [ctypes.c_void_p]
         fn.restype = ctypes.c_int
     return _Kernels(lib.qd_q4q8_linear, lib.qd_q8q8_linear, lib.qd_q6q8_linear,
@@ -228,21 +231,24 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> Q8Q8Weight:
     return Q8Q8Weight(codes, _scales(d, out, groups, paired=False), out, k)
 
 
-def pack_q6(q: torch.Tensor, s: torch.Tensor) -> Q6Q8Weight:
-    """From Q6_K codes ``q[out, in]`` (-32..31) and per-16 scales ``s [out, in / 16]`` with
-    ``w = s · q`` (:class:`engine.gguf_quant.Q6Weight`)."""
+def pack_q6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> Q6Q8Weight:
+    """From Q6_K codes ``q[out, in]`` (-32..31), per-256 ``d [out, ceil(in / 256)]`` (fp16
+    values) and per-16 int8 ``sc [out, in / 16]`` with ``w = d · sc · q``
+    (:class:`engine.gguf_quant.Q6Weight`)."""
     out, k = q.shape
-    if not supports(out, k) or s.shape != (out, k // 16):
-        raise ValueError(f"q6q8 weights need out % {COLUMNS} == 0, in % {GROUP} == 0 and "
-                         f"[out, in/16] scales; got q {tuple(q.shape)}, s {tuple(s.shape)}")
+    if not supports(out, k) or sc.shape != (out, k // 16) or d.shape != (out, -(-k // 256)):
+        raise ValueError(f"q6q8 weights need out % {COLUMNS} == 0, in % {GROUP} == 0, "
+                         f"[out, in/16] sc and [out, ceil(in/256)] d; got q {tuple(q.shape)}, "
+                         f"sc {tuple(sc.shape)}, d {tuple(d.shape)}")
     if q.numel() and (int(q.min()) < -32 or int(q.max()) > 31):
         raise ValueError("q6q8 codes must be in -32..31")
-    groups = k // GROUP
-    q5 = (q.to(torch.int16) + 32).to(torch.uint8).reshape(out // COLUMNS, COLUMNS, groups, 8, 4)
+    groups, cg = k // GROUP, out // COLUMNS
+    q5 = (q.to(torch.int16) + 32).to(torch.uint8).reshape(cg, COLUMNS, groups, 8, 4)
     codes = q5.permute(0, 2, 3, 1, 4).contiguous()  # [cg, g, j, col, b]
     # [cg, col, g, half] -> [cg, g, half, col]
-    scales = s.float().reshape(out // COLUMNS, COLUMNS, groups, 2).permute(0, 2, 3, 1)
-    return Q6Q8Weight(codes, scales.contiguous(), out, k)
+    scales = sc.to(torch.int8).reshape(cg, COLUMNS, groups, 2).permute(0, 2, 3, 1)
+    supers = d.to(torch.float16).reshape(cg, COLUMNS, -1).permute(0, 2, 1)  # [cg, sb, col]
+    return Q6Q8Weight(codes, scales.contiguous(), supers.contiguous(), out, k)
 
 
 def scratch_bytes(rows: int, in_features: int) -> int:
@@ -279,8 +285,8 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight, *,
         rc = kernel.q8(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
                        y.data_ptr(), *shape, scratch.data_ptr())
     elif isinstance(weight, Q6Q8Weight):
-        rc = kernel.q6(xb.data_ptr(), weight.codes.data_ptr(), weight.s.data_ptr(),
-                       y.data_ptr(), *shape, scratch.data_ptr())
+        rc = kernel.q6(xb.data_ptr(), weight.codes.data_ptr(), weight.sc.data_ptr(),
+                       weight.d.data_ptr(), y.data_ptr(), *shape, scratch.data_ptr())
     else:
         rc = kernel.q4(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
                        weight.m.data_ptr(), y.data_ptr(), *shape, scratch.data_ptr())

@@ -66,7 +66,7 @@ def _pack_mixed(names: list[str], parts: list[Any],
             runs[-1].append(part)
         else:
             runs.append([part])
-    packed = [cpu_q4q8.pack_q6(run[0].q, run[0].s) if isinstance(run[0], Q6Weight)
+    packed = [cpu_q4q8.pack_q6(run[0].q, run[0].d, run[0].sc) if isinstance(run[0], Q6Weight)
               else cpu_q4q8.pack(*_cat_q4(run)) for run in runs]
     rows = sum(p.out_features for p in packed)
     if (rows, packed[0].in_features) != shape:
@@ -436,13 +436,12 @@ class LlamaForCausalLM(nn.Module):
         GGUF's Q4_1 matrices), packed for ``kernel`` (one of :data:`FOUR_BIT_KERNELS`); a
         fused matrix (qkv, gate_up) only when all its parts are there. With the ``"q8"``
         kernel the LM head gets the Q8_0 or Q6_K copy under ``gguf_quant.LM_HEAD`` when there
-        is one.
-        With the ``"q8"`` kernel a matrix stored as Q6_K (Qwen's ``down_proj`` and
-        ``v_proj`` in some layers) runs on the 6-bit loop, a fused one with such a part as a
+        is one, and a layer matrix stored as Q6_K (Qwen's ``down_proj`` and ``v_proj`` in
+        some layers) runs on the 6-bit loop, a fused one with such a part as a
         :class:`StackedWeight` (such layers stay in Python: the native layer takes four
-        4-bit matrices); with ``"torch"`` a fused matrix needs all its parts 4-bit.
-        Returns how many decoder-layer linear layers have one (an empty dict drops them
-        all, the head's too)."""
+        4-bit matrices); with ``"torch"`` a fused matrix needs all its parts 4-bit and Q6_K
+        ones stay dense. Returns how many decoder-layer linear layers have one (an empty
+        dict drops them all, the head's too)."""
         if kernel not in FOUR_BIT_KERNELS:
             raise ValueError(f"4-bit kernel {kernel!r} is not one of {FOUR_BIT_KERNELS}")
         module = cpu_q4q8 if kernel == "q8" else cpu_int4
@@ -479,7 +478,7 @@ class LlamaForCausalLM(nn.Module):
             if cpu_q4q8.supports(*head.shape):
                 self.lm_head.int4 = (cpu_q4q8.pack_q8(head.q, head.d)
                                      if isinstance(head, Q8Weight)
-                                     else cpu_q4q8.pack_q6(head.q, head.s))
+                                     else cpu_q4q8.pack_q6(head.q, head.d, head.sc))
         _onto_huge_pages([m for m in self.modules() if isinstance(m, Linear)])
         self._bind_native_layers()
         return count

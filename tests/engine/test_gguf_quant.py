@@ -102,7 +102,9 @@ def test_q6_k_unpack_equals_gguf_dequantize():
     rows, k = 3, 512
     blocks = _q6_k_blocks(rows, k, seed=5)
     w = gguf_quant._unpack_q6_k(blocks, rows, k)
-    assert w.q.dtype == torch.int8 and w.shape == (rows, k) and w.s.shape == (rows, k // 16)
+    assert w.q.dtype == torch.int8 and w.shape == (rows, k)
+    assert w.sc.dtype == torch.int8 and w.sc.shape == (rows, k // 16)
+    assert w.d.shape == (rows, k // 256) and int(w.sc.min()) == -128
     assert int(w.q.min()) == -32 and int(w.q.max()) == 31
     want = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q6_K)
                             .reshape(rows, k))

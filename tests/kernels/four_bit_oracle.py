@@ -29,8 +29,8 @@ def random_q6_weights(out: int, k: int, seed: int) -> Any:
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(-32, 32, (out, k), generator=g, dtype=torch.int8)
     d = (torch.rand(out, -(-k // 256), generator=g) * 1e-3 + 1e-5).half().float()
-    sc = torch.randint(-128, 128, (out, k // 16), generator=g).float()
-    return Q6Weight(q, d.repeat_interleave(16, dim=1)[:, : k // 16] * sc)
+    sc = torch.randint(-128, 128, (out, k // 16), generator=g, dtype=torch.int8)
+    return Q6Weight(q, d, sc)
 
 
 def dense(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor,

@@ -15,30 +15,37 @@ pytestmark = pytest.mark.skipif(not cpu_q4q8.available(), reason="q4q8 kernel no
 
 
 def test_extreme_codes_are_exact():
-    """Every code -32 or 31 against x at -127 after rounding, in both halves of a block with
-    different scales: exact integer sums (|2 · 32 · 127| < 2^15 in the 16-bit pairs)."""
-    k = 64
+    """Every code -32 or 31 against x at -127 after rounding, over two super-blocks of 256
+    with different ``d`` and both halves of each block with different ``sc``: exact
+    integer sums (|2 · 2 · 63 · 127| < 2^15 in the 16-bit pairs) and exact scales."""
+    k = 512
     q = torch.full((8, k), -32, dtype=torch.int8)
     q[4:] = 31
-    s = torch.ones(8, k // 16)
-    s[:, 1::2] = 2.0  # the second half of each block weighs twice
+    d = torch.tensor([[1.0, 0.5]]).repeat(8, 1)
+    sc = torch.ones(8, k // 16, dtype=torch.int8)
+    sc[:, 1::2] = 2  # the second half of each block weighs twice
     x = torch.full((1, k), -1.0, dtype=torch.bfloat16)  # rounds to -127, sx = 1/127
-    y = cpu_q4q8.linear(x, cpu_q4q8.pack_q6(q, s)).float()
-    want = torch.tensor([[32.0 * 48 * 2] * 4 + [-31.0 * 48 * 2] * 4])  # 32·(16·1 + 16·2) a block
+    y = cpu_q4q8.linear(x, cpu_q4q8.pack_q6(q, d, sc)).float()
+    # per block -q · 16 · (1 + 2) · d: 8 blocks at d = 1, 8 at d = 0.5
+    want = torch.tensor([[32.0 * 576] * 4 + [-31.0 * 576] * 4])
     torch.testing.assert_close(y, want.bfloat16().float(), rtol=0, atol=0)
 
 
 def test_bad_shapes_and_codes_are_refused():
     w = random_q6_weights(16, 64, 1)
     with pytest.raises(ValueError, match="q6q8 weights need"):
-        cpu_q4q8.pack_q6(w.q[:12], w.s[:12])
+        cpu_q4q8.pack_q6(w.q[:12], w.d[:12], w.sc[:12])
     with pytest.raises(ValueError, match="q6q8 weights need"):
-        cpu_q4q8.pack_q6(w.q, w.s[:, :2])
+        cpu_q4q8.pack_q6(w.q, w.d, w.sc[:, :2])
+    with pytest.raises(ValueError, match="q6q8 weights need"):
+        cpu_q4q8.pack_q6(w.q, torch.ones(16, 2), w.sc)
     with pytest.raises(ValueError, match=r"-32\.\.31"):
-        cpu_q4q8.pack_q6(torch.full((8, 32), 40, dtype=torch.int8), torch.ones(8, 2))
+        cpu_q4q8.pack_q6(torch.full((8, 32), 40, dtype=torch.int8), torch.ones(8, 1),
+                         torch.ones(8, 2, dtype=torch.int8))
+    packed = cpu_q4q8.pack_q6(w.q, w.d, w.sc)
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_q4q8.linear(torch.zeros(2, 32), cpu_q4q8.pack_q6(w.q, w.s))
-    assert cpu_q4q8.linear(torch.zeros(0, 64), cpu_q4q8.pack_q6(w.q, w.s)).shape == (0, 16)
+        cpu_q4q8.linear(torch.zeros(2, 32), packed)
+    assert cpu_q4q8.linear(torch.zeros(0, 64), packed).shape == (0, 16)
 
 
 def test_a_model_runs_its_lm_head_on_q6_k_blocks():

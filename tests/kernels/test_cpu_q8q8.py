@@ -33,7 +33,7 @@ def _weights(out: int, k: int, seed: int) -> Q8Weight:
 # format -> (random weights (out, k, seed), packed for the kernel)
 FORMATS: dict[str, tuple[Callable[[int, int, int], Any], Callable[[Any], Any]]] = {
     "q8_0": (lambda out, k, seed: _weights(out, k, seed), lambda w: cpu_q4q8.pack_q8(w.q, w.d)),
-    "q6_k": (random_q6_weights, lambda w: cpu_q4q8.pack_q6(w.q, w.s)),
+    "q6_k": (random_q6_weights, lambda w: cpu_q4q8.pack_q6(w.q, w.d, w.sc)),
 }
 
 
