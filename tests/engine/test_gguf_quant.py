@@ -111,6 +111,35 @@ def test_q6_k_unpack_equals_gguf_dequantize():
     assert torch.equal(w.dequantize(), want)
 
 
+def test_a_gguf_file_s_q6_k_matrices_and_head_are_read_as_stored(tmp_path):
+    """A GGUF written by gguf's own writer with a Q6_K layer matrix, a Q4_1 one and a Q6_K
+    ``output.weight``: read from the file, each dequantizes to gguf's values bit for bit."""
+    from gguf import GGUFWriter
+
+    down, up = _q6_k_blocks(8, 512, seed=1), _random_blocks(GGMLQuantizationType.Q4_1, 8, 64, 3)
+    head = _q6_k_blocks(16, 256, seed=2)
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", down, raw_dtype=GGMLQuantizationType.Q6_K)
+    writer.add_tensor("blk.0.ffn_up.weight", up, raw_dtype=GGMLQuantizationType.Q4_1)
+    writer.add_tensor("output.weight", head, raw_dtype=GGMLQuantizationType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    weights = gguf_quant.read_q4_weights(path, llama_permute=False, num_heads=1,
+                                         num_kv_heads=1, tied=False)
+    assert set(weights) == {"model.layers.0.mlp.down_proj.weight",
+                            "model.layers.0.mlp.up_proj.weight", gguf_quant.LM_HEAD}
+    for name, blocks, kind, shape in (
+            ("model.layers.0.mlp.down_proj.weight", down, GGMLQuantizationType.Q6_K, (8, 512)),
+            ("model.layers.0.mlp.up_proj.weight", up, GGMLQuantizationType.Q4_1, (8, 64)),
+            (gguf_quant.LM_HEAD, head, GGMLQuantizationType.Q6_K, (16, 256))):
+        want = torch.from_numpy(quants.dequantize(blocks, kind).reshape(shape))
+        assert torch.equal(weights[name].dequantize(), want), name
+    assert isinstance(gguf_quant.read_head(path, tied=False), gguf_quant.Q6Weight)
+
+
 @pytest.mark.slow
 def test_default_model_q8_head_equals_the_converted_embedding(default_model_dir):
     """SmolLM2's tied embedding is Q8_0: read as the LM head, it dequantizes bit for bit to
