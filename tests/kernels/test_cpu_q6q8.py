@@ -1,6 +1,6 @@
-"""kernels.cpu_q4q8's Q6_K-weight path (Qwen2.5's 6-bit LM head and some of its
-``down_proj``): exact extreme codes, refused shapes, and the model's LM head and layers on
-it (its reference and bit-equality tests: test_cpu_q8q8.py)."""
+"""kernels.cpu_q4q8's Q6_K-weight path (Qwen2.5's 6-bit LM head, and its ``down_proj`` and
+``v_proj`` in some layers): exact extreme codes, refused shapes, and the model's LM head and
+layers on it (its reference and bit-equality tests: test_cpu_q8q8.py)."""
 
 from __future__ import annotations
 
