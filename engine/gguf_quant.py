@@ -198,28 +198,26 @@ def read_q4_weights(gguf_path: Path, *, llama_permute: bool, num_heads: int,
     is one (:func:`read_head`), from the same parse."""
     from gguf import GGMLQuantizationType, GGUFReader  # optional at import time
 
-    kinds = {GGMLQuantizationType.Q4_1: True, GGMLQuantizationType.Q4_0: False,
-             GGMLQuantizationType.Q4_K: None, GGMLQuantizationType.Q6_K: None}
+    Kind = GGMLQuantizationType
+    # format -> (weights a block, the rows' unpacker)
+    unpackers: dict[Any, tuple[int, Any]] = {
+        Kind.Q4_1: (GROUP, lambda data, out, k: _unpack(data, out, k, has_min=True)),
+        Kind.Q4_0: (GROUP, lambda data, out, k: _unpack(data, out, k, has_min=False)),
+        Kind.Q4_K: (256, _unpack_q4_k), Kind.Q6_K: (256, _unpack_q6_k)}
     tensors = GGUFReader(str(gguf_path)).tensors
     weights: dict[str, Q4Weight | HeadWeight] = {}
     for tensor in tensors:
         match = _BLOCK.fullmatch(tensor.name)
-        if match is None or tensor.tensor_type not in kinds:
+        if match is None or tensor.tensor_type not in unpackers:
             continue
         layer, kind = match.groups()
         if kind not in _LAYER_NAMES:
             continue
         k, out = (int(v) for v in tensor.shape[:2])  # GGUF lists the fastest dim first
-        has_min = kinds[tensor.tensor_type]
-        if k % (GROUP if has_min is not None else 256):
+        block, unpack = unpackers[tensor.tensor_type]
+        if k % block:
             continue
-        w: Q4Weight | Q6Weight
-        if tensor.tensor_type == GGMLQuantizationType.Q6_K:
-            w = _unpack_q6_k(tensor.data, out, k)
-        elif has_min is None:
-            w = _unpack_q4_k(tensor.data, out, k)
-        else:
-            w = _unpack(tensor.data, out, k, has_min)
+        w: Q4Weight | Q6Weight = unpack(tensor.data, out, k)
         if llama_permute and kind in ("attn_q", "attn_k"):
             w = w.rows(_unpermute_rows(out, num_heads if kind == "attn_q" else num_kv_heads))
         weights[f"model.layers.{layer}.{_LAYER_NAMES[kind]}.weight"] = w

@@ -260,13 +260,14 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight, *,
            vnni: bool | None = None) -> torch.Tensor:
     """``x @ w.T``: x ``[rows, in]`` (any float dtype; read as bf16) -> ``[rows, out]`` in
     x's dtype. ``vnni`` forces the inner loop (None: VNNI where the CPU has it; False runs
-    the AVX2 loop of the other CPU kind). Raises RuntimeError when the kernel is unavailable
-    (check :func:`available`)."""
+    the AVX2 loop of the other CPU kind; Q6_K weights have one loop, AVX2, which takes the
+    VNNI flag on any CPU). Raises RuntimeError when the kernel is unavailable (check
+    :func:`available`)."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the q4q8 kernel is not available: "
                            f"{cbuild.status().get('cpu_q4q8', 'not loaded')}")
-    if vnni and not kernel.vnni:
+    if vnni and not kernel.vnni and not isinstance(weight, Q6Q8Weight):
         raise RuntimeError("this CPU has no AVX512-VNNI")
     use_vnni = kernel.vnni if vnni is None else int(vnni)
     xb = (x if x.dtype is _BF16 else x.to(_BF16)).contiguous()
