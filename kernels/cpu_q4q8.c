@@ -31,7 +31,7 @@
  * qd_q8q8_linear does the same for Q8_0 weights (w = d * q, q int8: a GGUF's 8-bit LM head /
  * tied embedding), with its own layout (see QD_TILE8), and qd_q6q8_linear for Q6_K ones
  * (w = d * sc * q, q in -32..31, an int8 sc per 16 weights and an fp16 d per 256:
- * Qwen2.5's head and some of its layer matrices; see tile6_avx2).
+ * Qwen2.5's head and some of its layer matrices; see cpu_q4q8_six.h).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -102,7 +102,7 @@ static QD_AVX2 void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq
             t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
             sx[(size_t)r * groups + g] = scale;
             const int32_t block_sum = _mm_cvtsi128_si32(t4);
-            if (int_sums == 2) {  /* Q6_K weights: |sum of 16| <= 16 * 127, see tile6_avx2 */
+            if (int_sums == 2) {  /* Q6_K weights (cpu_q4q8_six.h): |sum of 16| <= 16 * 127 */
                 const __m256i h = _mm256_add_epi32(q[0], q[1]);
                 __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(h),
                                            _mm256_extracti128_si256(h, 1));
@@ -361,72 +361,7 @@ QD_TILE8(tile8_vnni, QD_VNNI, QD_UNSIGNED8, dot8s_vnni)
 QD_COLUMNS8(columns8_avx2, QD_AVX2, tile8_avx2)
 QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
 
-/* ---- Q6_K weights (w = d * sc * q: q in -32..31, an int8 sc per 16, an fp16 d per 256) ----
- * Layout: codes as Q8_0's but stored as u = q + 32 (0..63) (the 8 chunks of a block: chunks
- * 0-3 are k = 32g .. +15, chunks 4-7 k = 32g + 16 .. +31), sc [n/8][k/32][2][8] int8 (block
- * g's two halves, 8 columns each), d [n/8][ceil(k/256)][8] fp16. The AVX2 loop on every CPU
- * kind (the same bits everywhere); per block s_h = d * sc_h (exact in fp32), then per row:
- *   acc = fma(float(isum0), s0 * sx, acc);   acc = fma(float(isum1), s1 * sx, acc)
- * with isum_h the exact integer sum of half h's 16 products q * xq, computed as
- * sum(u * xq) - 32 * sum(xq) (quantize_rows gives the halves' sums): u is unsigned, so
- * vpmaddubsw takes it as it is (two of its pairs summed: 2 * 2 * 63 * 127 < 2^15). */
-static inline __attribute__((always_inline)) QD_AVX2 void tile6_avx2(
-        const int R, const uint8_t* codes, const int8_t* sc, const uint16_t* d,
-        const int8_t* xq, const float* sx, const float* sumx, uint16_t* y, int cg, int n,
-        int k) {
-    const int groups = k / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[QD_MAX_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const uint8_t* cb = codes + (size_t)cg * groups * 256;
-    const int8_t* scb = sc + (size_t)cg * groups * 16;
-    const uint16_t* db = d + (size_t)cg * ((groups + 7) / 8) * 8;
-    __m256 dv = _mm256_setzero_ps();
-    for (int g = 0; g < groups; g++) {
-        __m256i u[8];
-        prefetch_ahead(cb + (size_t)g * 256, 256, QD_AHEAD_8BIT);
-        for (int j = 0; j < 8; j++)
-            u[j] = _mm256_loadu_si256((const __m256i*)(cb + (size_t)g * 256 + 32 * j));
-        if (g % 8 == 0)  /* a new super-block of 256 */
-            dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(db + (size_t)(g / 8) * 8)));
-        const __m128i sc16 = _mm_loadu_si128((const __m128i*)(scb + (size_t)g * 16));
-        const __m256 s0 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16)));
-        const __m256 s1 = _mm256_mul_ps(
-            dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))));
-        for (int r = 0; r < R; r++) {
-            const int8_t* xb = xq + (size_t)r * k + (size_t)g * 32;
-            const uint32_t halves = ((const uint32_t*)sumx)[(size_t)r * groups + g];
-            __m256i h[2];
-            for (int half = 0; half < 2; half++) {
-                const int j = 4 * half;
-                const int xsum = (int16_t)(uint16_t)(halves >> (16 * half));
-                const __m256i p01 = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(u[j], _mm256_set1_epi32(load4(xb + 4 * j))),
-                    _mm256_maddubs_epi16(u[j + 1], _mm256_set1_epi32(load4(xb + 4 * j + 4))));
-                const __m256i p23 = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(u[j + 2], _mm256_set1_epi32(load4(xb + 4 * j + 8))),
-                    _mm256_maddubs_epi16(u[j + 3], _mm256_set1_epi32(load4(xb + 4 * j + 12))));
-                h[half] = _mm256_add_epi32(
-                    _mm256_set1_epi32(-32 * xsum),
-                    _mm256_add_epi32(_mm256_madd_epi16(p01, ones), _mm256_madd_epi16(p23, ones)));
-            }
-            const __m256 sxr = _mm256_set1_ps(sx[(size_t)r * groups + g]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h[0]), _mm256_mul_ps(s0, sxr), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h[1]), _mm256_mul_ps(s1, sxr), acc[r]);
-        }
-    }
-    store_rows(acc, R, y, cg, n);
-}
-
-static QD_AVX2 void columns6_avx2(int R, const uint8_t* codes, const int8_t* sc,
-                                  const uint16_t* d, const int8_t* xq, const float* sx,
-                                  const float* sumx, uint16_t* y, int lo, int hi, int n,
-                                  int k) {
-    for (int cg = lo; cg < hi; cg++) {
-        QD_BY_ROWS(R, tile6_avx2, codes, sc, d, xq, sx, sumx, y, cg, n, k)
-    }
-}
-
+#include "cpu_q4q8_six.h"
 #include "cpu_q4q8_wide.h"
 
 /* ``flags`` of the entry points: which loops run and how the weights are laid out. */
@@ -454,7 +389,7 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
                   threads < 1 ? 1 : threads);
     const int col_groups = n / 8;
     const int tasks = (col_groups + QD_GROUPS_PER_TASK - 1) / QD_GROUPS_PER_TASK;
-    const size_t bytes = (size_t)n * groups * (kind == QD_Q4 ? 20 : 34);
+    const size_t bytes = (size_t)n * groups * (kind == QD_Q4 ? 20 : kind == QD_Q6 ? 26 : 34);
     if (threads < 1 || bytes < QD_SERIAL_BYTES) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < tasks; t++) {
@@ -502,7 +437,7 @@ int qd_q8q8_linear(const uint16_t* x, const int8_t* codes, const uint16_t* d, ui
     return linear_any(x, codes, d, NULL, QD_Q8, y, rows, n, k, threads, flags, scratch);
 }
 
-/* Q6_K weights (the layout above tile6_avx2: sc in d's place, d in mn's); same scratch; the
+/* Q6_K weights (the layout in cpu_q4q8_six.h: sc in d's place, d in mn's); same scratch; the
  * AVX2 loop whatever flags. */
 int qd_q6q8_linear(const uint16_t* x, const uint8_t* codes, const int8_t* sc,
                    const uint16_t* d, uint16_t* y, int rows, int n, int k, int threads,

@@ -83,11 +83,12 @@ class Q8Q8Weight:
 class Q6Q8Weight:
     """A ``[out, in]`` matrix ``w = d · sc · q`` (a GGUF ``Q6_K`` matrix: ``q`` in -32..31, an
     int8 ``sc`` per 16 inputs, an fp16 ``d`` per 256) in the kernel's layout:
-    :class:`Q8Q8Weight`'s codes stored as ``q + 32`` (0..63, unsigned for ``vpmaddubsw``),
-    per block the 8 columns' ``sc`` of its first 16 inputs, then of its last 16, and per 8
-    blocks the 8 columns' ``d``."""
+    codes ``u = q + 32`` (0..63, unsigned for ``vpmaddubsw``) in 6 bits: per block of a
+    column group 4 chunks of low nibbles (as :class:`Q4Q8Weight`'s) and 2 of top bit pairs
+    (the layout in ``cpu_q4q8_six.h``), per block the 8 columns' ``sc`` of its
+    first 16 inputs, then of its last 16, and per 8 blocks the 8 columns' ``d``."""
 
-    codes: torch.Tensor  # [out/8, in/32, 8, 8, 4] uint8 q + 32 (group, block, chunk, col, byte)
+    codes: torch.Tensor  # [out/8, in/32, 6, 8, 4] uint8 (group, block, chunk, col, byte)
     sc: torch.Tensor  # [out/8, in/32, 2, 8] int8 (group, block, half, column)
     d: torch.Tensor  # [out/8, ceil(in/256), 8] fp16 (group, super-block, column)
     out_features: int
@@ -243,8 +244,14 @@ def pack_q6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> Q6Q8Weight:
     if q.numel() and (int(q.min()) < -32 or int(q.max()) > 31):
         raise ValueError("q6q8 codes must be in -32..31")
     groups, cg = k // GROUP, out // COLUMNS
-    q5 = (q.to(torch.int16) + 32).to(torch.uint8).reshape(cg, COLUMNS, groups, 8, 4)
-    codes = q5.permute(0, 2, 3, 1, 4).contiguous()  # [cg, g, j, col, b]
+    u = (q.to(torch.int16) + 32).to(torch.uint8).reshape(cg, COLUMNS, groups, 8, 4)
+    u = u.permute(0, 2, 3, 1, 4)  # [cg, g, j, col, b]: k = 32 g + 4 j + b
+    low, top = u & 15, u >> 4
+    nibbles = low[:, :, :4] | (low[:, :, 4:] << 4)  # [cg, g, 4, col, b]
+    top_bits = torch.stack([top[:, :, 4 * h] | (top[:, :, 4 * h + 1] << 2)
+                            | (top[:, :, 4 * h + 2] << 4) | (top[:, :, 4 * h + 3] << 6)
+                            for h in range(2)], dim=2)  # [cg, g, 2, col, b]
+    codes = torch.cat([nibbles, top_bits], dim=2).contiguous()  # [cg, g, 6, col, b]
     # [cg, col, g, half] -> [cg, g, half, col]
     scales = sc.to(torch.int8).reshape(cg, COLUMNS, groups, 2).permute(0, 2, 3, 1)
     supers = d.to(torch.float16).reshape(cg, COLUMNS, -1).permute(0, 2, 1)  # [cg, sb, col]

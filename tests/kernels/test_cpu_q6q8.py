@@ -31,6 +31,21 @@ def test_extreme_codes_are_exact():
     torch.testing.assert_close(y, want.bfloat16().float(), rtol=0, atol=0)
 
 
+def test_every_code_at_every_position_of_a_block_is_read_back():
+    """The codes are stored in 6 bits (nibbles and top bit pairs in separate chunks): one-hot
+    rows of x pick out one input position each, and the 64 columns hold every code at every
+    position of the block, so ``y[p, c]`` must be exactly ``q[c, p]``."""
+    positions, codes = 32, 64
+    col = torch.arange(codes).unsqueeze(1)
+    pos = torch.arange(positions).unsqueeze(0)
+    q = ((col + 5 * pos) % codes - 32).to(torch.int8)  # [64, 32]: each column a permutation
+    assert all(len(set(q[:, p].tolist())) == codes for p in range(positions))
+    x = torch.eye(positions, dtype=torch.bfloat16)  # 1.0 rounds to 127 with sx = 1 / 127
+    y = cpu_q4q8.linear(x, cpu_q4q8.pack_q6(q, torch.ones(codes, 1),
+                                            torch.ones(codes, 2, dtype=torch.int8)))
+    torch.testing.assert_close(y.float(), q.T.float(), rtol=0, atol=0)
+
+
 def test_bad_shapes_and_codes_are_refused():
     w = random_q6_weights(16, 64, 1)
     with pytest.raises(ValueError, match="q6q8 weights need"):
