@@ -60,6 +60,7 @@ class SixBitSwitch:
     """Which of the model's Q6_K matrices run on the 6-bit loop (the others on bf16)."""
 
     def __init__(self, model: Any) -> None:
+        self.model = model
         self.head = model.lm_head
         self.downs = [layer.mlp.down for layer in model.layers
                       if isinstance(layer.mlp.down.int4, cpu_q4q8.Q6Q8Weight)]
@@ -77,6 +78,7 @@ class SixBitSwitch:
             down.use_int4 = arm in ("head+down", "all")
         for qkv in self.qkvs:
             qkv.use_int4 = arm == "all"
+        self.model.use_native_layers(True)  # rebinds: a layer with a dense matrix runs in Python
 
 
 def greedy_tokens(engine: LLMEngine, tag: str, max_tokens: int) -> list[list[int]]:

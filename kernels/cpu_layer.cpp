@@ -16,7 +16,9 @@
 //
 // mm is one of two 4-bit matmuls, told apart by the weight list: ATen's CPU int4 kernel
 // (each matrix as packed + scales_and_zeros; called directly, at::cpu::, no dispatcher) or
-// the 4-bit x 8-bit kernel of cpu_q4q8.c (each matrix as codes + d + m). The C kernels
+// the 4-bit x 8-bit kernel of cpu_q4q8.c (each matrix as codes + d + m, or as codes + sc + d
+// on its 6-bit loop for a GGUF's Q6_K matrices: sc is int8; qkv may be two such matrices,
+// outputs side by side, as Qwen2.5's q, k in 4 bits and v in 6). The C kernels
 // (cpu_fused.c, cpu_attention.c, cpu_q4q8.c) are built and loaded by their Python modules;
 // their addresses are handed over once with set_cpu_kernels.
 
@@ -51,6 +53,7 @@ RopeFn rope_fn = nullptr;
 SiluFn silu_fn = nullptr;
 AttendFn attend_fn = nullptr;
 Q4Q8Fn q4q8_fn = nullptr;  // null: the q4q8 kernel is not available
+Q4Q8Fn q6q8_fn = nullptr;  // its 6-bit entry point (the same arguments: codes, sc, d)
 int64_t q4q8_flags = 0;  // its loop and the weights' layout (cpu_q4q8.c's flags)
 int64_t silu_vec_block = 0;
 int64_t par_rows = 1;  // the small ops use threads above this many rows (as cpu_fused.py)
@@ -62,8 +65,10 @@ void check(bool ok, const char* what) {
 }
 
 void set_cpu_kernels(int64_t rms, int64_t rope, int64_t silu, int64_t attend,
-                     int64_t vec_block, int64_t parallel_rows, int64_t q4q8, int64_t q4q8_loop) {
+                     int64_t vec_block, int64_t parallel_rows, int64_t q4q8, int64_t q6q8,
+                     int64_t q4q8_loop) {
     q4q8_fn = reinterpret_cast<Q4Q8Fn>(q4q8);
+    q6q8_fn = reinterpret_cast<Q4Q8Fn>(q6q8);
     q4q8_flags = q4q8_loop;
     rms_fn = reinterpret_cast<RmsFn>(rms);
     rope_fn = reinterpret_cast<RopeFn>(rope);
@@ -91,7 +96,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     return {y, r};
 }
 
-// One 4-bit matrix: (packed, scales_and_zeros) for ATen's kernel, (codes, d, m) for q4q8.
+// One matrix: (packed, scales_and_zeros) for ATen's kernel; (codes, d, m) for q4q8's 4-bit
+// loop or (codes, sc, d) for its 6-bit one, told apart by the second tensor's dtype.
 struct Matrix {
     const at::Tensor* parts[3];
     bool q4q8;
@@ -99,18 +105,30 @@ struct Matrix {
 
 at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
     if (!w.q4q8) return at::cpu::_weight_int4pack_mm_for_cpu(x, *w.parts[0], kGroup, *w.parts[1]);
-    const at::Tensor& codes = *w.parts[0];  // [n/8, k/32, 4, 8, 4] uint8 (cpu_q4q8.c's layout)
+    // [n/8, k/32, 4, 8, 4] uint8 4-bit codes or [n/8, k/32, 6, 8, 4] 6-bit ones (cpu_q4q8.c)
+    const at::Tensor& codes = *w.parts[0];
+    const bool six_bit = w.parts[1]->scalar_type() == at::kChar;
+    check(!six_bit || q6q8_fn != nullptr, "the q6q8 kernel is not available");
     const int64_t rows = x.size(0), n = codes.size(0) * 8, k = codes.size(1) * kGroup;
     check(x.size(1) == k, "q4q8 weight does not fit the activations");
     at::Tensor y = bf16_empty(rows, n);
     at::Tensor scratch = at::empty({rows * (k + 8 * (k / kGroup))},
                                    at::TensorOptions().dtype(at::kByte));
-    int rc = q4q8_fn(x.data_ptr(), codes.data_ptr(), w.parts[1]->data_ptr(),
-                     w.parts[2]->data_ptr(), y.data_ptr(), static_cast<int>(rows),
-                     static_cast<int>(n), static_cast<int>(k), threads,
-                     static_cast<int>(q4q8_flags), scratch.data_ptr());
+    const Q4Q8Fn fn = six_bit ? q6q8_fn : q4q8_fn;
+    int rc = fn(x.data_ptr(), codes.data_ptr(), w.parts[1]->data_ptr(), w.parts[2]->data_ptr(),
+                y.data_ptr(), static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k),
+                threads, static_cast<int>(q4q8_flags), scratch.data_ptr());
     check(rc == 0, "q4q8 kernel rejected the shapes");
     return y;
+}
+
+// Matrices side by side (a fused qkv whose parts the file stores in different formats):
+// each part's output for the same rows, concatenated by columns as the Python layer does.
+at::Tensor mm_parts(const at::Tensor& x, const std::vector<Matrix>& parts, int threads) {
+    if (parts.size() == 1) return mm(x, parts[0], threads);
+    std::vector<at::Tensor> outs;
+    for (const Matrix& w : parts) outs.push_back(mm(x, w, threads));
+    return at::cat(outs, 1);
 }
 
 // RoPE in place on the q and k columns of qkv [T, (H + 2 KVH) * D] (cos, sin: [T, D]).
@@ -185,8 +203,8 @@ at::Tensor mlp(const at::Tensor& h, const Matrix& gate_up_w, const Matrix& down_
 
 // weights: ln1, qkv_packed, qkv_sz, o_packed, o_sz, ln2, gate_up_packed, gate_up_sz,
 //          down_packed, down_sz[, qkv_bias]                       (ATen int4: 10 or 11)
-//      or  ln1, qkv (codes, d, m), o (3), ln2, gate_up (3), down (3)[, qkv_bias]
-//                                                                  (q4q8: 14 or 15)
+//      or  ln1, qkv (3 tensors, or 6: two matrices side by side), o (3), ln2, gate_up (3),
+//          down (3)[, qkv_bias]                                   (q4q8: 14, 15, 17 or 18)
 // meta: slot_mapping, block_tables, seq_lens, query_start_loc (int32, the step's metadata)
 //       [, tree_mask (int64 [T], the rows' ancestor bits; empty: every row causal)]
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
@@ -196,17 +214,22 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
         double eps, double scale) {
     check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
     const size_t nw = weights.size();
-    check(nw == 10 || nw == 11 || nw == 14 || nw == 15, "expected 10, 11, 14 or 15 weights");
+    check(nw == 10 || nw == 11 || nw == 14 || nw == 15 || nw == 17 || nw == 18,
+          "expected 10, 11, 14, 15, 17 or 18 weights");
     const bool q4q8 = nw >= 14;
     check(!q4q8 || q4q8_fn != nullptr, "the q4q8 kernel is not available");
     const size_t per = q4q8 ? 3 : 2;  // tensors per matrix
+    const size_t qkv_parts = nw >= 17 ? 2 : 1;
     auto matrix = [&](size_t first) {
         return Matrix{{&weights[first], &weights[first + 1], &weights[first + per - 1]}, q4q8};
     };
-    const Matrix qkv_w = matrix(1), o_w = matrix(1 + per), gate_up_w = matrix(2 + 2 * per),
-                 down_w = matrix(2 + 3 * per);
-    const at::Tensor& ln2 = weights[1 + 2 * per];
-    const bool has_bias = nw == 11 || nw == 15;
+    std::vector<Matrix> qkv_w;
+    for (size_t p = 0; p < qkv_parts; ++p) qkv_w.push_back(matrix(1 + p * per));
+    const size_t o_at = 1 + qkv_parts * per;  // then o, ln2, gate_up, down[, qkv_bias]
+    const Matrix o_w = matrix(o_at), gate_up_w = matrix(o_at + per + 1),
+                 down_w = matrix(o_at + 2 * per + 1);
+    const at::Tensor& ln2 = weights[o_at + per];
+    const bool has_bias = nw == o_at + 3 * per + 2;
     check(meta.size() == 4 || meta.size() == 5, "expected 4 or 5 metadata tensors");
     check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
           "x must be a contiguous bf16 [rows, hidden] matrix");
@@ -216,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const int small_threads = rows > par_rows ? threads : 1;
 
     auto [h, r] = add_rms_norm(x, residual, weights[0], eps, small_threads);
-    at::Tensor qkv = mm(h, qkv_w, threads);  // [T, (H + 2 KVH) * D]
+    at::Tensor qkv = mm_parts(h, qkv_w, threads);  // [T, (H + 2 KVH) * D]
     if (has_bias) qkv.add_(weights[nw - 1]);
     at::Tensor attn = rope_and_attend(qkv, cos, sin, kv_cache, meta, heads, kv_heads, scale,
                                       threads, small_threads);
@@ -324,15 +347,21 @@ struct LayerStack : torch::CustomClassHolder {
     int64_t heads, kv_heads;
     double eps, scale;
 
-    LayerStack(std::vector<at::Tensor> flat, int64_t per_layer, std::vector<at::Tensor> kv,
-               int64_t heads_, int64_t kv_heads_, double eps_, double scale_)
+    // flat: every layer's weight list in turn, lengths[l] tensors for layer l
+    LayerStack(std::vector<at::Tensor> flat, std::vector<int64_t> lengths,
+               std::vector<at::Tensor> kv, int64_t heads_, int64_t kv_heads_, double eps_,
+               double scale_)
         : kv_caches(std::move(kv)), heads(heads_), kv_heads(kv_heads_), eps(eps_),
           scale(scale_) {
-        check(per_layer > 0 && static_cast<int64_t>(flat.size())
-                                   == per_layer * static_cast<int64_t>(kv_caches.size()),
-              "LayerStack: the weights are not per_layer tensors for each KV cache");
-        for (size_t l = 0; l < kv_caches.size(); ++l)
-            weights.emplace_back(flat.begin() + l * per_layer, flat.begin() + (l + 1) * per_layer);
+        check(lengths.size() == kv_caches.size(), "LayerStack: one length per KV cache");
+        size_t at = 0;
+        for (int64_t n : lengths) {
+            check(n > 0 && at + static_cast<size_t>(n) <= flat.size(),
+                  "LayerStack: the lengths do not fit the weights");
+            weights.emplace_back(flat.begin() + at, flat.begin() + at + n);
+            at += static_cast<size_t>(n);
+        }
+        check(at == flat.size(), "LayerStack: the lengths do not fit the weights");
     }
 
     // [x, residual, then x + residual after each layer count in aux_after (ascending, 1..L)]:
@@ -370,11 +399,11 @@ struct LayerStack : torch::CustomClassHolder {
 
 TORCH_LIBRARY(quickdraft_cpu, m) {
     m.class_<LayerStack>("LayerStack")
-        .def(torch::init<std::vector<at::Tensor>, int64_t, std::vector<at::Tensor>, int64_t,
-                         int64_t, double, double>())
+        .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>,
+                         std::vector<at::Tensor>, int64_t, int64_t, double, double>())
         .def("forward", &LayerStack::forward);
     m.def("set_cpu_kernels(int rms, int rope, int silu, int attend, int vec_block, "
-          "int parallel_rows, int q4q8, int q4q8_flags) -> ()");
+          "int parallel_rows, int q4q8, int q6q8, int q4q8_flags) -> ()");
     m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor cos, "
           "Tensor sin, Tensor(a!) kv_cache, Tensor[] meta, int heads, int kv_heads, "
           "float eps, float scale) -> (Tensor, Tensor)");

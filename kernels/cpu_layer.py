@@ -81,10 +81,10 @@ def _hand_over(write_attend: int, vnni: bool | None = None) -> None:
     runs the q4q8 matmuls on the AVX2 loop (None: the CPU's own)."""
     fused = cpu_fused.native_entry_points()
     assert fused is not None
-    q4q8 = cpu_q4q8.native_entry_point() or 0  # 0: int4 weights only
+    q4, q6 = cpu_q4q8.native_entry_points() or (0, 0)  # 0: int4 weights only
     torch.ops.quickdraft_cpu.set_cpu_kernels(
         fused["rms_norm"], fused["rope"], fused["silu_mul"], write_attend,
-        fused["vec_block"], fused["parallel_rows"], q4q8, cpu_q4q8.native_flags(vnni))
+        fused["vec_block"], fused["parallel_rows"], q4, q6, cpu_q4q8.native_flags(vnni))
 
 
 def use_q4q8_loop(vnni: bool | None) -> None:
@@ -127,11 +127,14 @@ def layer_weights(ln1: torch.Tensor, qkv: tuple[torch.Tensor, ...],
                   gate_up: tuple[torch.Tensor, ...], down: tuple[torch.Tensor, ...],
                   qkv_bias: torch.Tensor | None) -> list[torch.Tensor]:
     """The op's weight list: norms bf16 ``[hidden]``, each matrix as (packed, scales and
-    zeros) of :class:`kernels.cpu_int4.Int4Weight` or (codes, d, m) of
-    :class:`kernels.cpu_q4q8.Q4Q8Weight` (all four the same kind), the optional qkv bias
-    last."""
-    if len({len(qkv), len(o), len(gate_up), len(down)}) != 1 or len(qkv) not in (2, 3):
-        raise ValueError("the four matrices must be all int4 (2 tensors) or all q4q8 (3)")
+    zeros) of :class:`kernels.cpu_int4.Int4Weight` or as :func:`kernels.cpu_q4q8.native_parts`
+    (3 tensors, 4-bit or 6-bit; qkv may be two such matrices, 6 tensors, whose outputs are
+    side by side), all four the same kernel; the optional qkv bias last."""
+    int4 = len(qkv) == len(o) == len(gate_up) == len(down) == 2
+    q4q8 = len(o) == len(gate_up) == len(down) == 3 and len(qkv) in (3, 6)
+    if not int4 and not q4q8:
+        raise ValueError("the four matrices must be all int4 (2 tensors) or all q4q8 (3; "
+                         "qkv 3 or 6)")
     weights = [ln1, *qkv, *o, ln2, *gate_up, *down]
     return weights if qkv_bias is None else [*weights, qkv_bias]
 
@@ -171,14 +174,14 @@ def layer_stack(weights: list[list[torch.Tensor]],  # per layer, from layer_weig
                 kv_caches: list[torch.Tensor],  # per layer
                 heads: int, kv_heads: int, eps: float, scale: float) -> Any:
     """A model's layers bound once for :func:`run_stack` (a ``LayerStack`` of the op's
-    library: it holds the weights and caches). Every layer the same kind (weights per
-    layer) and the same heads, eps and scale. Needs :func:`available`."""
-    if not weights or len(weights) != len(kv_caches) \
-            or len({len(w) for w in weights}) != 1:
-        raise ValueError("one weight list of the same length for each KV cache")
+    library: it holds the weights and caches). Every layer the same heads, eps and scale
+    (its weight list may differ: Qwen2.5's layers with 6-bit matrices). Needs
+    :func:`available`."""
+    if not weights or len(weights) != len(kv_caches):
+        raise ValueError("one weight list for each KV cache")
     return torch.classes.quickdraft_cpu.LayerStack(
-        [t for layer in weights for t in layer], len(weights[0]), kv_caches, heads, kv_heads,
-        eps, scale)
+        [t for layer in weights for t in layer], [len(w) for w in weights], kv_caches, heads,
+        kv_heads, eps, scale)
 
 
 def run_stack(stack: Any, x: torch.Tensor,  # [T, hidden] bf16: the embeddings

@@ -144,17 +144,23 @@ def _flags(vnni: int, paired: bool) -> int:
     return vnni * LOOP_VNNI | (PAIRED if paired else 0)
 
 
-def native_entry_point() -> int | None:
-    """For :mod:`kernels.cpu_layer`: the 4-bit kernel's address."""
+def native_entry_points() -> tuple[int, int] | None:
+    """For :mod:`kernels.cpu_layer`: the 4-bit and the 6-bit entry points' addresses (the
+    same arguments: x, codes, two scale tensors, y, rows, n, k, threads, flags, scratch)."""
     kernel = _kernel()
     if kernel is None:
         return None
-    return ctypes.cast(kernel.q4, ctypes.c_void_p).value or 0
+    return (ctypes.cast(kernel.q4, ctypes.c_void_p).value or 0,
+            ctypes.cast(kernel.q6, ctypes.c_void_p).value or 0)
 
 
-def native_parts(weight: Q4Q8Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For :mod:`kernels.cpu_layer`: (codes, d, m) of a weight packed the default way (the
-    layout :func:`native_flags` tells the op)."""
+def native_parts(weight: Q4Q8Weight | Q6Q8Weight,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For :mod:`kernels.cpu_layer`: (codes, d, m) of a 4-bit weight packed the default way
+    (the layout :func:`native_flags` tells the op), or (codes, sc, d) of a 6-bit one (the op
+    tells them apart by the int8 ``sc``)."""
+    if isinstance(weight, Q6Q8Weight):
+        return weight.codes, weight.sc, weight.d
     if weight.paired != pairs_columns():
         raise ValueError("the native layer takes q4q8 weights packed the default way")
     return weight.codes, weight.d, weight.m

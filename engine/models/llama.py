@@ -95,10 +95,12 @@ def _onto_huge_pages(linears: list[Linear]) -> None:
 
 
 def _native_parts(weight: FourBitWeight) -> tuple[torch.Tensor, ...]:
-    """The tensors :func:`kernels.cpu_layer.layer_weights` takes for one matrix."""
-    assert not isinstance(weight, Q8Q8Weight | Q6Q8Weight | StackedWeight), \
-        "the layers' matrices are 4-bit"
-    if isinstance(weight, Q4Q8Weight):
+    """The tensors :func:`kernels.cpu_layer.layer_weights` takes for one matrix (a stacked
+    one's parts in turn)."""
+    assert not isinstance(weight, Q8Q8Weight), "the layers' matrices are 4- or 6-bit"
+    if isinstance(weight, StackedWeight):
+        return tuple(t for part in weight.parts for t in cpu_q4q8.native_parts(part))
+    if isinstance(weight, Q4Q8Weight | Q6Q8Weight):
         return cpu_q4q8.native_parts(weight)
     return weight.packed, weight.scales_and_zeros
 
@@ -282,13 +284,19 @@ class DecoderLayer(nn.Module):
 
     def bind_native(self, enabled: bool) -> None:
         """Run this layer natively (:mod:`kernels.cpu_layer`) when ``enabled`` and all four
-        matrices multiply by int4 weights with no bias but qkv's; else the Python layer."""
+        matrices multiply by 4-bit weights of one kernel (torch's int4, or q4q8's 4- and
+        6-bit loops, qkv maybe as two such matrices side by side) with no bias but qkv's;
+        else the Python layer."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
         self.native = None
-        kinds = {type(lin.int4) for lin in linears}
-        if enabled and all(lin.use_int4 and lin.int4 is not None for lin in linears) \
-                and len(kinds) == 1 and (Int4Weight in kinds or cpu_layer.takes_q4q8()) \
+        weights = [lin.int4 for lin in linears]
+        q4q8 = all(isinstance(w, Q4Q8Weight | Q6Q8Weight) for w in weights[1:]) and (
+            isinstance(weights[0], Q4Q8Weight | Q6Q8Weight)
+            or (isinstance(weights[0], StackedWeight) and len(weights[0].parts) == 2))
+        if enabled and all(lin.use_int4 for lin in linears) \
+                and (all(isinstance(w, Int4Weight) for w in weights)
+                     or (q4q8 and cpu_layer.takes_q4q8())) \
                 and attn.o.bias is None and mlp.gate_up.bias is None and mlp.down.bias is None:
             pairs = [_native_parts(lin.int4) for lin in linears if lin.int4 is not None]
             self.native = cpu_layer.layer_weights(
@@ -438,10 +446,10 @@ class LlamaForCausalLM(nn.Module):
         kernel the LM head gets the Q8_0 or Q6_K copy under ``gguf_quant.LM_HEAD`` when there
         is one, and a layer matrix stored as Q6_K (Qwen's ``down_proj`` and ``v_proj`` in
         some layers) runs on the 6-bit loop, a fused one with such a part as a
-        :class:`StackedWeight` (such layers stay in Python: the native layer takes four
-        4-bit matrices); with ``"torch"`` a fused matrix needs all its parts 4-bit and Q6_K
-        ones stay dense. Returns how many decoder-layer linear layers have one (an empty
-        dict drops them all, the head's too)."""
+        :class:`StackedWeight` (the native layer takes both); with ``"torch"`` a fused
+        matrix needs all its parts 4-bit and Q6_K ones stay dense. Returns how many
+        decoder-layer linear layers have one (an empty dict drops them all, the head's
+        too)."""
         if kernel not in FOUR_BIT_KERNELS:
             raise ValueError(f"4-bit kernel {kernel!r} is not one of {FOUR_BIT_KERNELS}")
         module = cpu_q4q8 if kernel == "q8" else cpu_int4

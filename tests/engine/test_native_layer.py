@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from quickdraft.engine.models.llama import DecoderLayer, LlamaForCausalLM
+from quickdraft.engine.models.llama import DecoderLayer, LlamaForCausalLM, StackedWeight
 from quickdraft.kernels import (
     cbuild,
     cpu_attention,
@@ -24,6 +24,7 @@ from quickdraft.kernels import (
     torch_attention,
 )
 from quickdraft.kernels.attention_metadata import build_metadata
+from tests.kernels.four_bit_oracle import random_q6_weights
 
 pytestmark = pytest.mark.skipif(not (cpu_layer.available() and cpu_int4.available()),
                                 reason="needs g++, the C kernels and torch's CPU int4 ops")
@@ -34,7 +35,9 @@ NUM_BLOCKS = 32
 
 def _model(qwen: bool, kernel: str = "torch") -> LlamaForCausalLM:
     """A small random model on 4-bit weights for ``kernel`` ("torch": ATen's int4, "q8":
-    kernels.cpu_q4q8)."""
+    kernels.cpu_q4q8; "q6": cpu_q4q8 with 6-bit matrices as a Qwen2.5 Q4_K_M file has them:
+    layer 1's qkv as q, k in 4 bits and v in 6 side by side and its down in 6 bits, and
+    layer 2's o in 6 bits)."""
     common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     config = Qwen2Config(**common) if qwen else LlamaConfig(**common)
@@ -53,7 +56,18 @@ def _model(qwen: bool, kernel: str = "torch") -> LlamaForCausalLM:
             q = torch.randint(0, 16, (out, k), generator=gen)
             d = torch.rand(out, k // 32, generator=gen) * 0.02 + 0.005
             m = -8 * d + torch.randn(out, k // 32, generator=gen) * 0.01
-            lin.int4 = (cpu_q4q8 if kernel == "q8" else cpu_int4).pack(q, d, m)
+            lin.int4 = (cpu_int4 if kernel == "torch" else cpu_q4q8).pack(q, d, m)
+    if kernel == "q6":
+        qkv, down = model.layers[1].self_attn.qkv, model.layers[1].mlp.down
+        out, k = qkv.weight.shape
+        q = torch.randint(0, 16, (out - 32, k), generator=gen)
+        d = torch.rand(out - 32, k // 32, generator=gen) * 0.02 + 0.005
+        v = random_q6_weights(32, k, 3)
+        qkv.int4 = StackedWeight((cpu_q4q8.pack(q, d, -8 * d),
+                                  cpu_q4q8.pack_q6(v.q, v.d * 0.05, v.sc)))
+        for lin, seed in ((down, 4), (model.layers[2].self_attn.o, 5)):
+            w = random_q6_weights(*lin.weight.shape, seed)
+            lin.int4 = cpu_q4q8.pack_q6(w.q, w.d * 0.05, w.sc)  # |w| <= 0.2
     model.use_int4(True)
     return model
 
@@ -107,10 +121,10 @@ def _run(model: LlamaForCausalLM, native: bool, steps: list | None = None,
     return outs, caches
 
 
-@pytest.mark.parametrize("kernel", ["torch", "q8"])
+@pytest.mark.parametrize("kernel", ["torch", "q8", "q6"])
 @pytest.mark.parametrize("qwen", [False, True], ids=["llama", "qwen2-qkv-bias"])
 def test_native_layers_equal_python_layers_bit_for_bit(qwen: bool, kernel: str) -> None:
-    if kernel == "q8" and not cpu_q4q8.available():
+    if kernel != "torch" and not cpu_q4q8.available():
         pytest.skip("the q4q8 kernel is not built here")
     model = _model(qwen, kernel)
     want, want_caches = _run(model, native=False)

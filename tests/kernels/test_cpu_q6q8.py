@@ -92,11 +92,12 @@ def test_a_model_runs_its_lm_head_on_q6_k_blocks():
     torch.testing.assert_close(logits, dense, rtol=0.05, atol=0.05 * float(dense.abs().max()))
 
 
-def test_q6_k_layer_matrices_run_on_the_6_bit_loop_in_the_python_layer():
+def test_q6_k_layer_matrices_run_on_the_6_bit_loop():
     """With the ``q8`` kernel a Q6_K ``down_proj`` multiplies by its 6-bit blocks, and a fused
     qkv with a Q6_K ``v_proj`` runs each part on its own loop (q and k fused on the 4-bit
-    one), outputs side by side; such layers stay out of the native layer (four 4-bit
-    matrices), and every output row is the same alone as in a batch."""
+    one), outputs side by side; such layers run in the native layer too (its bits against
+    the Python layer's: tests/engine/test_native_layer.py), and every output row is the
+    same alone as in a batch."""
     from transformers import LlamaConfig
 
     from quickdraft.engine.gguf_quant import Q4Weight
@@ -128,9 +129,11 @@ def test_q6_k_layer_matrices_run_on_the_6_bit_loop_in_the_python_layer():
     assert model.attach_int4_weights(weights, "q8") == 8  # type: ignore[arg-type]
     model.use_int4(True)
     layer0, layer1 = model.layers
-    if cpu_layer.available() and cpu_layer.takes_q4q8():
-        assert layer0.native is not None  # four 4-bit matrices
-    assert layer1.native is None  # 6-bit ones: the Python layer
+    native = cpu_layer.available() and cpu_layer.takes_q4q8()
+    assert (layer0.native is not None) == native  # four 4-bit matrices
+    assert (layer1.native is not None) == native  # 4- and 6-bit ones
+    if native:
+        assert layer1.native is not None and len(layer1.native) == 17  # qkv: 2 matrices
     down, qkv = layer1.mlp.down, layer1.self_attn.qkv
     assert isinstance(down.int4, cpu_q4q8.Q6Q8Weight) and down.use_int4
     assert isinstance(qkv.int4, StackedWeight) and qkv.use_int4
