@@ -16,9 +16,10 @@
 //
 // mm is one of two 4-bit matmuls, told apart by the weight list: ATen's CPU int4 kernel
 // (each matrix as packed + scales_and_zeros; called directly, at::cpu::, no dispatcher) or
-// the 4-bit x 8-bit kernel of cpu_q4q8.c (each matrix as codes + d + m, or as codes + sc + d
-// on its 6-bit loop for a GGUF's Q6_K matrices: sc is int8; qkv may be two such matrices,
-// outputs side by side, as Qwen2.5's q, k in 4 bits and v in 6). The C kernels
+// the 4-bit x 8-bit kernel of cpu_q4q8.c (each matrix as codes + d + m; as codes + sc + d
+// on its 6-bit loop for a GGUF's Q6_K matrices, sc int8; as codes + sm + dd on its Q4_K
+// loop, sm uint8; qkv may be two such matrices, outputs side by side, as Qwen2.5's q, k in
+// 4 bits and v in 6). The C kernels
 // (cpu_fused.c, cpu_attention.c, cpu_q4q8.c) are built and loaded by their Python modules;
 // their addresses are handed over once with set_cpu_kernels.
 
@@ -54,6 +55,7 @@ SiluFn silu_fn = nullptr;
 AttendFn attend_fn = nullptr;
 Q4Q8Fn q4q8_fn = nullptr;  // null: the q4q8 kernel is not available
 Q4Q8Fn q6q8_fn = nullptr;  // its 6-bit entry point (the same arguments: codes, sc, d)
+Q4Q8Fn q4kq8_fn = nullptr;  // its Q4_K entry point (codes, sm, dd)
 int64_t q4q8_flags = 0;  // its loop and the weights' layout (cpu_q4q8.c's flags)
 int64_t silu_vec_block = 0;
 int64_t par_rows = 1;  // the small ops use threads above this many rows (as cpu_fused.py)
@@ -66,9 +68,10 @@ void check(bool ok, const char* what) {
 
 void set_cpu_kernels(int64_t rms, int64_t rope, int64_t silu, int64_t attend,
                      int64_t vec_block, int64_t parallel_rows, int64_t q4q8, int64_t q6q8,
-                     int64_t q4q8_loop) {
+                     int64_t q4kq8, int64_t q4q8_loop) {
     q4q8_fn = reinterpret_cast<Q4Q8Fn>(q4q8);
     q6q8_fn = reinterpret_cast<Q4Q8Fn>(q6q8);
+    q4kq8_fn = reinterpret_cast<Q4Q8Fn>(q4kq8);
     q4q8_flags = q4q8_loop;
     rms_fn = reinterpret_cast<RmsFn>(rms);
     rope_fn = reinterpret_cast<RopeFn>(rope);
@@ -97,7 +100,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 // One matrix: (packed, scales_and_zeros) for ATen's kernel; (codes, d, m) for q4q8's 4-bit
-// loop or (codes, sc, d) for its 6-bit one, told apart by the second tensor's dtype.
+// loop, (codes, sc, d) for its 6-bit one or (codes, sm, dd) for its Q4_K one, told apart by
+// the second tensor's dtype (fp16, int8, uint8).
 struct Matrix {
     const at::Tensor* parts[3];
     bool q4q8;
@@ -107,14 +111,14 @@ at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
     if (!w.q4q8) return at::cpu::_weight_int4pack_mm_for_cpu(x, *w.parts[0], kGroup, *w.parts[1]);
     // [n/8, k/32, 4, 8, 4] uint8 4-bit codes or [n/8, k/32, 6, 8, 4] 6-bit ones (cpu_q4q8.c)
     const at::Tensor& codes = *w.parts[0];
-    const bool six_bit = w.parts[1]->scalar_type() == at::kChar;
-    check(!six_bit || q6q8_fn != nullptr, "the q6q8 kernel is not available");
+    const at::ScalarType second = w.parts[1]->scalar_type();
+    const Q4Q8Fn fn = second == at::kChar ? q6q8_fn : second == at::kByte ? q4kq8_fn : q4q8_fn;
+    check(fn != nullptr, "the q4q8 kernel's 6-bit or Q4_K entry point is not available");
     const int64_t rows = x.size(0), n = codes.size(0) * 8, k = codes.size(1) * kGroup;
     check(x.size(1) == k, "q4q8 weight does not fit the activations");
     at::Tensor y = bf16_empty(rows, n);
     at::Tensor scratch = at::empty({rows * (k + 8 * (k / kGroup))},
                                    at::TensorOptions().dtype(at::kByte));
-    const Q4Q8Fn fn = six_bit ? q6q8_fn : q4q8_fn;
     int rc = fn(x.data_ptr(), codes.data_ptr(), w.parts[1]->data_ptr(), w.parts[2]->data_ptr(),
                 y.data_ptr(), static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k),
                 threads, static_cast<int>(q4q8_flags), scratch.data_ptr());
@@ -403,7 +407,7 @@ TORCH_LIBRARY(quickdraft_cpu, m) {
                          std::vector<at::Tensor>, int64_t, int64_t, double, double>())
         .def("forward", &LayerStack::forward);
     m.def("set_cpu_kernels(int rms, int rope, int silu, int attend, int vec_block, "
-          "int parallel_rows, int q4q8, int q6q8, int q4q8_flags) -> ()");
+          "int parallel_rows, int q4q8, int q6q8, int q4kq8, int q4q8_flags) -> ()");
     m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor cos, "
           "Tensor sin, Tensor(a!) kv_cache, Tensor[] meta, int heads, int kv_heads, "
           "float eps, float scale) -> (Tensor, Tensor)");

@@ -81,10 +81,10 @@ def _hand_over(write_attend: int, vnni: bool | None = None) -> None:
     runs the q4q8 matmuls on the AVX2 loop (None: the CPU's own)."""
     fused = cpu_fused.native_entry_points()
     assert fused is not None
-    q4, q6 = cpu_q4q8.native_entry_points() or (0, 0)  # 0: int4 weights only
+    q4, q6, q4k = cpu_q4q8.native_entry_points() or (0, 0, 0)  # 0: int4 weights only
     torch.ops.quickdraft_cpu.set_cpu_kernels(
         fused["rms_norm"], fused["rope"], fused["silu_mul"], write_attend,
-        fused["vec_block"], fused["parallel_rows"], q4, q6, cpu_q4q8.native_flags(vnni))
+        fused["vec_block"], fused["parallel_rows"], q4, q6, q4k, cpu_q4q8.native_flags(vnni))
 
 
 def use_q4q8_loop(vnni: bool | None) -> None:

@@ -362,6 +362,7 @@ QD_COLUMNS8(columns8_avx2, QD_AVX2, tile8_avx2)
 QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
 
 #include "cpu_q4q8_six.h"
+#include "cpu_q4q8_k.h"
 #include "cpu_q4q8_wide.h"
 
 /* ``flags`` of the entry points: which loops run and how the weights are laid out. */
@@ -370,26 +371,28 @@ QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
 
 /* y [rows, n] bf16 = x [rows, k] bf16 @ W^T. ``scratch`` holds rows * (k + 8 * k / 32) bytes
  * (the int8 rows and their block scales and sums). Returns 0, or -1 for shapes it does not
- * take (k % 32 != 0, n < 1, rows < 1; Q8_0 weights are never paired). VNNI on paired 4-bit
- * weights runs 16 columns a vector (cpu_q4q8_wide.h); everything else the 8-column loops,
- * which read either 4-bit layout. */
-enum { QD_Q4 = 0, QD_Q8 = 1, QD_Q6 = 2 };  /* linear_any's weight kinds */
+ * take (k % 32 != 0, n < 1, rows < 1; only 4-bit weights paired; Q4_K ones need
+ * k % 256 == 0). VNNI on paired 4-bit weights runs 16 columns a vector (cpu_q4q8_wide.h);
+ * everything else the 8-column loops, which read either 4-bit layout. */
+enum { QD_Q4 = 0, QD_Q8 = 1, QD_Q6 = 2, QD_Q4K = 3 };  /* linear_any's weight kinds */
 
 static int linear_any(const uint16_t* x, const void* codes, const void* d,
                       const uint16_t* mn, int kind, uint16_t* y, int rows, int n, int k,
                       int threads, int flags, void* scratch) {
     const int vnni = flags & QD_LOOP_VNNI, paired = (flags & QD_PAIRED) != 0;
-    const int eight_bit = kind != QD_Q4;
-    if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32 || (eight_bit && paired)) return -1;
+    if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32 || (kind != QD_Q4 && paired)
+        || (kind == QD_Q4K && k % 256))
+        return -1;
     const int groups = k / 32;
     int8_t* xq = (int8_t*)scratch;
     float* sx = (float*)(xq + (size_t)rows * k);
     float* sumx = sx + (size_t)rows * groups;
-    quantize_rows(x, rows, k, xq, sx, sumx, kind == QD_Q6 ? 2 : eight_bit,
+    quantize_rows(x, rows, k, xq, sx, sumx, kind == QD_Q6 ? 2 : kind == QD_Q8,
                   threads < 1 ? 1 : threads);
     const int col_groups = n / 8;
     const int tasks = (col_groups + QD_GROUPS_PER_TASK - 1) / QD_GROUPS_PER_TASK;
-    const size_t bytes = (size_t)n * groups * (kind == QD_Q4 ? 20 : kind == QD_Q6 ? 26 : 34);
+    const size_t bytes = (size_t)n * groups * (kind == QD_Q4 ? 20 : kind == QD_Q4K ? 18
+                                                : kind == QD_Q6 ? 26 : 34);
     if (threads < 1 || bytes < QD_SERIAL_BYTES) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < tasks; t++) {
@@ -401,7 +404,10 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
             const float* sr = sx + (size_t)r0 * groups;
             const float* ur = sumx + (size_t)r0 * groups;
             uint16_t* yr = y + (size_t)r0 * n;
-            if (kind == QD_Q6) {
+            if (kind == QD_Q4K) {
+                columnsk_avx2(R, (const uint8_t*)codes, (const uint8_t*)d, mn, xr, sr, ur, yr,
+                              lo, hi, n, k);
+            } else if (kind == QD_Q6) {
                 columns6_avx2(R, (const uint8_t*)codes, (const int8_t*)d, mn, xr, sr, ur, yr,
                               lo, hi, n, k);
             } else if (kind == QD_Q8) {
@@ -443,5 +449,14 @@ int qd_q6q8_linear(const uint16_t* x, const uint8_t* codes, const int8_t* sc,
                    const uint16_t* d, uint16_t* y, int rows, int n, int k, int threads,
                    int flags, void* scratch) {
     return linear_any(x, codes, sc, d, QD_Q6, y, rows, n, k, threads, flags & ~QD_PAIRED,
+                      scratch);
+}
+
+/* Q4_K weights with the file's own scales (the layout in cpu_q4q8_k.h: sm in d's place, dd in
+ * mn's; k % 256 == 0); same scratch; the AVX2 loop whatever flags. */
+int qd_q4kq8_linear(const uint16_t* x, const uint8_t* codes, const uint8_t* sm,
+                    const uint16_t* dd, uint16_t* y, int rows, int n, int k, int threads,
+                    int flags, void* scratch) {
+    return linear_any(x, codes, sm, dd, QD_Q4K, y, rows, n, k, threads, flags & ~QD_PAIRED,
                       scratch);
 }

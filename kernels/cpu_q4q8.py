@@ -96,10 +96,25 @@ class Q6Q8Weight:
 
 
 @dataclass(frozen=True)
+class Q4KQ8Weight:
+    """A ``[out, in]`` 4-bit matrix ``w = (d · sc) · q + (dm · mn)`` with a GGUF ``Q4_K``
+    file's own scales: a 6-bit ``sc`` and ``mn`` per 32 inputs (bytes here), an fp16 ``d`` and
+    ``dm`` (= −dmin) per 256; :class:`Q4Q8Weight`'s codes, unpaired (the layout in
+    ``cpu_q4q8_k.h``). Made by :func:`pack_layer` where it pays."""
+
+    codes: torch.Tensor  # [out/8, in/32, 4, 8, 4] uint8 (group, block, chunk j, column, byte)
+    sm: torch.Tensor  # [out/8, in/32, 2, 8] uint8 (group, block, sc | mn, column)
+    dd: torch.Tensor  # [out/8, in/256, 2, 8] fp16 (group, super-block, d | dm, column)
+    out_features: int
+    in_features: int
+
+
+@dataclass(frozen=True)
 class _Kernels:
     q4: Any  # ctypes qd_q4q8_linear
     q8: Any  # ctypes qd_q8q8_linear
     q6: Any  # ctypes qd_q6q8_linear
+    q4k: Any  # ctypes qd_q4kq8_linear
     vnni: int  # whether to run the VNNI loops
 
 
@@ -111,11 +126,11 @@ def _kernel() -> _Kernels | None:
         return None
     # (x, codes, d, [m,] y) pointers, then rows, n, k, threads, flags, then scratch
     for fn, pointers in ((lib.qd_q4q8_linear, 5), (lib.qd_q8q8_linear, 4),
-                         (lib.qd_q6q8_linear, 5)):
+                         (lib.qd_q6q8_linear, 5), (lib.qd_q4kq8_linear, 5)):
         fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int] * 5 + [ctypes.c_void_p]
         fn.restype = ctypes.c_int
     return _Kernels(lib.qd_q4q8_linear, lib.qd_q8q8_linear, lib.qd_q6q8_linear,
-                    int(cbuild.cpu_has(_VNNI_FLAGS)))
+                    lib.qd_q4kq8_linear, int(cbuild.cpu_has(_VNNI_FLAGS)))
 
 
 def available() -> bool:
@@ -144,23 +159,26 @@ def _flags(vnni: int, paired: bool) -> int:
     return vnni * LOOP_VNNI | (PAIRED if paired else 0)
 
 
-def native_entry_points() -> tuple[int, int] | None:
-    """For :mod:`kernels.cpu_layer`: the 4-bit and the 6-bit entry points' addresses (the
+def native_entry_points() -> tuple[int, int, int] | None:
+    """For :mod:`kernels.cpu_layer`: the 4-bit, 6-bit and Q4_K entry points' addresses (the
     same arguments: x, codes, two scale tensors, y, rows, n, k, threads, flags, scratch)."""
     kernel = _kernel()
     if kernel is None:
         return None
-    return (ctypes.cast(kernel.q4, ctypes.c_void_p).value or 0,
-            ctypes.cast(kernel.q6, ctypes.c_void_p).value or 0)
+    return tuple(ctypes.cast(fn, ctypes.c_void_p).value or 0  # type: ignore[return-value]
+                 for fn in (kernel.q4, kernel.q6, kernel.q4k))
 
 
-def native_parts(weight: Q4Q8Weight | Q6Q8Weight,
+def native_parts(weight: Q4Q8Weight | Q6Q8Weight | Q4KQ8Weight,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For :mod:`kernels.cpu_layer`: (codes, d, m) of a 4-bit weight packed the default way
-    (the layout :func:`native_flags` tells the op), or (codes, sc, d) of a 6-bit one (the op
-    tells them apart by the int8 ``sc``)."""
+    (the layout :func:`native_flags` tells the op), (codes, sc, d) of a 6-bit one or
+    (codes, sm, dd) of a Q4_K one (the op tells them apart by the second tensor's dtype:
+    fp16, int8, uint8)."""
     if isinstance(weight, Q6Q8Weight):
         return weight.codes, weight.sc, weight.d
+    if isinstance(weight, Q4KQ8Weight):
+        return weight.codes, weight.sm, weight.dd
     if weight.paired != pairs_columns():
         raise ValueError("the native layer takes q4q8 weights packed the default way")
     return weight.codes, weight.d, weight.m
@@ -192,13 +210,80 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, *,
                          f"[out, in/{GROUP}] scales; got q {tuple(q.shape)}, d "
                          f"{tuple(d.shape)}, m {tuple(m.shape)}")
     groups = k // GROUP
-    # [col group, column, block, half (k 0-15 | 16-31), chunk j, byte b]
-    q6 = q.to(torch.uint8).reshape(out // COLUMNS, COLUMNS, groups, 2, 4, 4)
-    byte = q6[:, :, :, 0] | (q6[:, :, :, 1] << 4)  # [cg, col, g, j, b]
-    codes = byte.permute(0, 2, 3, 1, 4)  # [cg, g, j, col, b]
     paired = pairs_columns() if paired is None else paired
-    return Q4Q8Weight(_layout(codes, paired), _scales(d, out, groups, paired),
+    return Q4Q8Weight(_layout(_codes4(q), paired), _scales(d, out, groups, paired),
                       _scales(m, out, groups, paired), out, k, paired)
+
+
+def _codes4(q: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` codes 0..15 -> ``[out/8, in/32, 4, 8, 4]`` (group, block, chunk, col,
+    byte): low nibbles k = 32g + 4j .. +3, high nibbles k = 32g + 16 + 4j .. +3."""
+    out, k = q.shape
+    # [col group, column, block, half (k 0-15 | 16-31), chunk j, byte b]
+    q6 = q.to(torch.uint8).reshape(out // COLUMNS, COLUMNS, k // GROUP, 2, 4, 4)
+    byte = q6[:, :, :, 0] | (q6[:, :, :, 1] << 4)  # [cg, col, g, j, b]
+    return byte.permute(0, 2, 3, 1, 4).contiguous()  # [cg, g, j, col, b]
+
+
+def pack_layer(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4Q8Weight | Q4KQ8Weight:
+    """A model's 4-bit layer matrix in the layout that runs fastest here: where the 4-bit
+    weights are not paired (AVX2-only CPUs) and the scales are a Q4_K file's (every 8 blocks'
+    ``d`` an fp16 times integers 0..63, and ``m`` likewise: :func:`pack_q4k`), the Q4_K
+    layout (0.578 bytes a weight, products exact); else :func:`pack`'s (paired for the
+    16-column VNNI loop where it runs; Q4_0/Q4_1 files)."""
+    if not pairs_columns():
+        k_weight = pack_q4k(q, d, m)
+        if k_weight is not None:
+            return k_weight
+    return pack(q, d, m)
+
+
+def pack_q4k(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4KQ8Weight | None:
+    """From codes ``q[out, in]`` (0..15) and per-32 ``d, m [out, in / 32]`` (``w = d · q + m``)
+    whose every 8 blocks' ``d`` are one fp16 times integers 0..63, and their ``m`` likewise
+    (a Q4_K file's ``d · sc`` and ``−dmin · mn``, :mod:`engine.gguf_quant`): the Q4_K layout,
+    the same weights exactly. None when the scales do not factor so or ``in % 256 != 0``."""
+    out, k = q.shape
+    if not supports(out, k) or k % 256 or d.shape != (out, k // GROUP) or m.shape != d.shape:
+        return None
+    d_factors, m_factors = _factor_scales(d.float()), _factor_scales(m.float())
+    if d_factors is None or m_factors is None:
+        return None
+    (dd, sc), (dm, mn) = d_factors, m_factors
+    cg = out // COLUMNS
+    # [out, blocks] -> [cg, blocks, col]; [out, supers] -> [cg, supers, col]
+    by_block = [t.reshape(cg, COLUMNS, -1).permute(0, 2, 1) for t in (sc, mn)]
+    by_super = [t.reshape(cg, COLUMNS, -1).permute(0, 2, 1) for t in (dd, dm)]
+    return Q4KQ8Weight(_codes4(q), torch.stack(by_block, dim=2).to(torch.uint8).contiguous(),
+                       torch.stack(by_super, dim=2).to(torch.float16).contiguous(), out, k)
+
+
+def _factor_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``s [out, blocks]`` as ``D [out, blocks / 8]`` (fp16 values) times ``c [out, blocks]``
+    (integers 0..63), exactly, per 8 blocks; None if some 8 do not factor so. Tries ``D =
+    s_top / c_top`` (s_top: the 8 blocks' largest magnitude) for c_top = 63 down to 1: a Q4_K
+    file's own D and c are among the candidates, and any exact factor gives the same
+    products."""
+    out, blocks = s.shape
+    sb = s.reshape(out, blocks // 8, 8)
+    top = sb.gather(-1, sb.abs().argmax(-1, keepdim=True))  # [out, supers, 1]
+    found = top == 0  # all-zero super-blocks: D = 0, c = 0
+    big_d = torch.zeros_like(top)
+    c = torch.zeros_like(sb)
+    for c_top in range(63, 0, -1):
+        if bool(found.all()):
+            break
+        cand = top / c_top
+        ratio = torch.round(sb / cand)
+        ok = (cand.half().float() == cand) & ((ratio >= 0) & (ratio <= 63)
+                                              & (ratio * cand == sb)).all(-1, keepdim=True)
+        take = ok & ~found
+        big_d = torch.where(take, cand, big_d)
+        c = torch.where(take, ratio, c)
+        found |= take
+    if not bool(found.all()):
+        return None
+    return big_d.reshape(out, -1), c.reshape(out, blocks)
 
 
 def _scales(s: torch.Tensor, out: int, groups: int, paired: bool) -> torch.Tensor:
@@ -269,18 +354,18 @@ def scratch_bytes(rows: int, in_features: int) -> int:
     return rows * (in_features + 8 * (in_features // GROUP))
 
 
-def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight, *,
+def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8Weight, *,
            vnni: bool | None = None) -> torch.Tensor:
     """``x @ w.T``: x ``[rows, in]`` (any float dtype; read as bf16) -> ``[rows, out]`` in
     x's dtype. ``vnni`` forces the inner loop (None: VNNI where the CPU has it; False runs
-    the AVX2 loop of the other CPU kind; Q6_K weights have one loop, AVX2, which takes the
-    VNNI flag on any CPU). Raises RuntimeError when the kernel is unavailable (check
+    the AVX2 loop of the other CPU kind; Q6_K and Q4_K weights have one loop, AVX2, which
+    takes the VNNI flag on any CPU). Raises RuntimeError when the kernel is unavailable (check
     :func:`available`)."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the q4q8 kernel is not available: "
                            f"{cbuild.status().get('cpu_q4q8', 'not loaded')}")
-    if vnni and not kernel.vnni and not isinstance(weight, Q6Q8Weight):
+    if vnni and not kernel.vnni and not isinstance(weight, Q6Q8Weight | Q4KQ8Weight):
         raise RuntimeError("this CPU has no AVX512-VNNI")
     use_vnni = kernel.vnni if vnni is None else int(vnni)
     xb = (x if x.dtype is _BF16 else x.to(_BF16)).contiguous()
@@ -301,6 +386,9 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight, *,
     elif isinstance(weight, Q6Q8Weight):
         rc = kernel.q6(xb.data_ptr(), weight.codes.data_ptr(), weight.sc.data_ptr(),
                        weight.d.data_ptr(), y.data_ptr(), *shape, scratch.data_ptr())
+    elif isinstance(weight, Q4KQ8Weight):
+        rc = kernel.q4k(xb.data_ptr(), weight.codes.data_ptr(), weight.sm.data_ptr(),
+                        weight.dd.data_ptr(), y.data_ptr(), *shape, scratch.data_ptr())
     else:
         rc = kernel.q4(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
                        weight.m.data_ptr(), y.data_ptr(), *shape, scratch.data_ptr())

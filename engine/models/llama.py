@@ -23,7 +23,7 @@ from quickdraft.engine.models.rope import RotaryEmbedding
 from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, cpu_q4q8, huge_pages, torch_ops
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.kernels.cpu_int4 import Int4Weight
-from quickdraft.kernels.cpu_q4q8 import Q4Q8Weight, Q6Q8Weight, Q8Q8Weight
+from quickdraft.kernels.cpu_q4q8 import Q4KQ8Weight, Q4Q8Weight, Q6Q8Weight, Q8Q8Weight
 
 # A linear layer's 4-bit copy, by kernel: "torch" (ATen's int4 kernel, bf16 activations) or
 # "q8" (kernels.cpu_q4q8: activations rounded to 8 bits, cheap extra rows; with it the LM
@@ -37,14 +37,15 @@ class StackedWeight:
     Q6_K ``v_proj`` and Q4_K ``q_proj``/``k_proj``): each part on its own loop of
     :mod:`kernels.cpu_q4q8`, the outputs side by side (each row still computed alone)."""
 
-    parts: tuple[Q4Q8Weight | Q6Q8Weight, ...]
+    parts: tuple[Q4Q8Weight | Q4KQ8Weight | Q6Q8Weight, ...]
 
 
-FourBitWeight = Int4Weight | Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | StackedWeight
+FourBitWeight = Int4Weight | Q4Q8Weight | Q4KQ8Weight | Q8Q8Weight | Q6Q8Weight | StackedWeight
+Q4Q8Kinds = (Q4Q8Weight, Q4KQ8Weight, Q6Q8Weight)  # a layer matrix on kernels.cpu_q4q8
 
 
 def _four_bit_linear(x: torch.Tensor, weight: FourBitWeight) -> torch.Tensor:
-    if isinstance(weight, Q4Q8Weight | Q8Q8Weight | Q6Q8Weight):
+    if isinstance(weight, (*Q4Q8Kinds, Q8Q8Weight)):
         return cpu_q4q8.linear(x, weight)
     if isinstance(weight, StackedWeight):
         return torch.cat([cpu_q4q8.linear(x, part) for part in weight.parts], dim=-1)
@@ -67,7 +68,7 @@ def _pack_mixed(names: list[str], parts: list[Any],
         else:
             runs.append([part])
     packed = [cpu_q4q8.pack_q6(run[0].q, run[0].d, run[0].sc) if isinstance(run[0], Q6Weight)
-              else cpu_q4q8.pack(*_cat_q4(run)) for run in runs]
+              else cpu_q4q8.pack_layer(*_cat_q4(run)) for run in runs]
     rows = sum(p.out_features for p in packed)
     if (rows, packed[0].in_features) != shape:
         raise ValueError(f"{names[0]}: Q6_K/4-bit parts of shape {(rows, packed[0].in_features)}"
@@ -100,7 +101,7 @@ def _native_parts(weight: FourBitWeight) -> tuple[torch.Tensor, ...]:
     assert not isinstance(weight, Q8Q8Weight), "the layers' matrices are 4- or 6-bit"
     if isinstance(weight, StackedWeight):
         return tuple(t for part in weight.parts for t in cpu_q4q8.native_parts(part))
-    if isinstance(weight, Q4Q8Weight | Q6Q8Weight):
+    if isinstance(weight, Q4Q8Kinds):
         return cpu_q4q8.native_parts(weight)
     return weight.packed, weight.scales_and_zeros
 
@@ -291,8 +292,8 @@ class DecoderLayer(nn.Module):
         linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
         self.native = None
         weights = [lin.int4 for lin in linears]
-        q4q8 = all(isinstance(w, Q4Q8Weight | Q6Q8Weight) for w in weights[1:]) and (
-            isinstance(weights[0], Q4Q8Weight | Q6Q8Weight)
+        q4q8 = all(isinstance(w, Q4Q8Kinds) for w in weights[1:]) and (
+            isinstance(weights[0], Q4Q8Kinds)
             or (isinstance(weights[0], StackedWeight) and len(weights[0].parts) == 2))
         if enabled and all(lin.use_int4 for lin in linears) \
                 and (all(isinstance(w, Int4Weight) for w in weights)
@@ -473,7 +474,8 @@ class LlamaForCausalLM(nn.Module):
                     if q4.shape != tuple(linear.weight.shape):
                         raise ValueError(f"{names[0]}: 4-bit shape {q4.shape}, expected "
                                          f"{tuple(linear.weight.shape)}")
-                    linear.int4 = module.pack(q4.q, q4.d, q4.m)
+                    linear.int4 = (cpu_q4q8.pack_layer(q4.q, q4.d, q4.m) if kernel == "q8"
+                                   else cpu_int4.pack(q4.q, q4.d, q4.m))
                     count += 1
                 else:
                     linear.int4, linear.use_int4 = None, False

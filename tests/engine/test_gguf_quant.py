@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from quickdraft.engine import gguf_quant, loader
+from tests.kernels.four_bit_oracle import random_q4_k_blocks
 
 
 def _random_blocks(kind: GGMLQuantizationType, rows: int, k: int, seed: int) -> np.ndarray:
@@ -34,10 +35,7 @@ def test_unpack_equals_gguf_dequantize(kind):
 
 def test_q4_k_unpack_equals_gguf_dequantize():
     rows, k = 5, 512
-    rng = np.random.default_rng(11)
-    b = rng.integers(0, 256, size=(rows * k // 256, 144), dtype=np.uint8)
-    b[:, :4] = (rng.standard_normal((b.shape[0], 2)) * 0.01).astype(np.float16).view(np.uint8)
-    blocks = b.reshape(rows, -1)
+    blocks = random_q4_k_blocks(rows, k, seed=11)
     w = gguf_quant._unpack_q4_k(blocks, rows, k)
     assert w.q.dtype == torch.uint8 and int(w.q.max()) <= 15 and w.d.shape == (rows, k // 32)
     want = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q4_K)

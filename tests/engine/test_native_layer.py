@@ -24,7 +24,7 @@ from quickdraft.kernels import (
     torch_attention,
 )
 from quickdraft.kernels.attention_metadata import build_metadata
-from tests.kernels.four_bit_oracle import random_q6_weights
+from tests.kernels.four_bit_oracle import random_q4k_weights, random_q6_weights
 
 pytestmark = pytest.mark.skipif(not (cpu_layer.available() and cpu_int4.available()),
                                 reason="needs g++, the C kernels and torch's CPU int4 ops")
@@ -37,8 +37,11 @@ def _model(qwen: bool, kernel: str = "torch") -> LlamaForCausalLM:
     """A small random model on 4-bit weights for ``kernel`` ("torch": ATen's int4, "q8":
     kernels.cpu_q4q8; "q6": cpu_q4q8 with 6-bit matrices as a Qwen2.5 Q4_K_M file has them:
     layer 1's qkv as q, k in 4 bits and v in 6 side by side and its down in 6 bits, and
-    layer 2's o in 6 bits)."""
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    layer 2's o in 6 bits; "q4k": cpu_q4q8's Q4_K layout for every matrix, on wider layers
+    since it takes ``in % 256 == 0``)."""
+    wide = kernel == "q4k"
+    common = dict(vocab_size=96, hidden_size=256 if wide else 64,
+                  intermediate_size=512 if wide else 96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     config = Qwen2Config(**common) if qwen else LlamaConfig(**common)
     torch.manual_seed(0)
@@ -53,6 +56,9 @@ def _model(qwen: bool, kernel: str = "torch") -> LlamaForCausalLM:
     for layer in model.layers:
         for lin in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down):
             out, k = lin.weight.shape
+            if wide:
+                lin.int4 = cpu_q4q8.pack_q4k(*random_q4k_weights(out, k, seed=out + k))
+                continue
             q = torch.randint(0, 16, (out, k), generator=gen)
             d = torch.rand(out, k // 32, generator=gen) * 0.02 + 0.005
             m = -8 * d + torch.randn(out, k // 32, generator=gen) * 0.01
@@ -98,7 +104,9 @@ def _run(model: LlamaForCausalLM, native: bool, steps: list | None = None,
     "d" rows are that tree (masks unless not ``use_mask``, RoPE at base + depth)."""
     model.use_native_layers(native)
     assert all((layer.native is not None) == native for layer in model.layers)
-    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
+    shape = model.shape
+    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, shape.num_kv_heads, shape.head_dim,
+                          dtype=torch.bfloat16) for _ in range(3)]
     outs, gen = [], torch.Generator().manual_seed(2)
     steps = STEPS if steps is None else steps
     with torch.inference_mode():
@@ -121,7 +129,7 @@ def _run(model: LlamaForCausalLM, native: bool, steps: list | None = None,
     return outs, caches
 
 
-@pytest.mark.parametrize("kernel", ["torch", "q8", "q6"])
+@pytest.mark.parametrize("kernel", ["torch", "q8", "q6", "q4k"])
 @pytest.mark.parametrize("qwen", [False, True], ids=["llama", "qwen2-qkv-bias"])
 def test_native_layers_equal_python_layers_bit_for_bit(qwen: bool, kernel: str) -> None:
     if kernel != "torch" and not cpu_q4q8.available():

@@ -20,6 +20,34 @@ def random_q4_weights(out: int, k: int, seed: int,
     return q, d, m
 
 
+def random_q4k_weights(out: int, k: int, seed: int, top: int = 63,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes ``q [out, k]`` (0..15) and per-32 ``d, m [out, k / 32]`` as a GGUF Q4_K file's
+    blocks give them (:mod:`engine.gguf_quant`): per 256 weights an fp16 ``d`` (either sign)
+    and ``dmin``, per 32 integers ``sc, mn`` in 0..``top``; ``d · sc`` and ``−dmin · mn``
+    exact in fp32 and, in general, not fp16 values."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, k), generator=g, dtype=torch.uint8)
+    supers = (out, k // 256)
+    d = (torch.randn(supers, generator=g) * 2e-3).half().float()
+    dmin = (torch.rand(supers, generator=g) * 5e-3).half().float()
+    sc = torch.randint(0, top + 1, (out, k // 32), generator=g).float()
+    mn = torch.randint(0, top + 1, (out, k // 32), generator=g).float()
+    return q, d.repeat_interleave(8, dim=1) * sc, -dmin.repeat_interleave(8, dim=1) * mn
+
+
+def random_q4_k_blocks(rows: int, k: int, seed: int) -> Any:
+    """``[rows, k / 256 * 144]`` uint8: a GGUF Q4_K matrix's raw super-blocks, random bytes
+    (any 6-bit scales and mins, any codes) with finite fp16 ``d`` and ``dmin`` of either
+    sign."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(rows * k // 256, 144), dtype=np.uint8)
+    b[:, :4] = (rng.standard_normal((b.shape[0], 2)) * 0.01).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
 def random_q6_weights(out: int, k: int, seed: int) -> Any:
     """An :class:`engine.gguf_quant.Q6Weight`: codes over the whole 6-bit range and per-16
     scales ``d · sc`` as a Q6_K file has them (an fp16 ``d`` per 256 weights times an int8
