@@ -31,7 +31,8 @@
  * qd_q8q8_linear does the same for Q8_0 weights (w = d * q, q int8: a GGUF's 8-bit LM head /
  * tied embedding), with its own layout (see QD_TILE8), and qd_q6q8_linear for Q6_K ones
  * (w = d * sc * q, q in -32..31, an int8 sc per 16 weights and an fp16 d per 256:
- * Qwen2.5's head and some of its layer matrices; see cpu_q4q8_six.h).
+ * Qwen2.5's head and some of its layer matrices; see cpu_q4q8_six.h), and qd_q4kq8_linear
+ * for 4-bit weights with a Q4_K file's own scales (see cpu_q4q8_k.h).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -169,6 +170,18 @@ static inline __attribute__((always_inline)) QD_AVX2 void store_rows(const __m25
     }
 }
 
+/* A block's 8 chunks of codes (0..15) from its 4 stored chunks, ``chunk`` bytes apart: chunk j's
+ * low nibbles (k = 32g + 4j .. +3) into w[j], its high nibbles (k + 16) into w[4 + j]. */
+static inline __attribute__((always_inline)) QD_AVX2 void unpack4(const uint8_t* block,
+                                                                  int chunk, __m256i* w) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int j = 0; j < 4; j++) {
+        const __m256i b = _mm256_loadu_si256((const __m256i*)(block + chunk * j));
+        w[j] = _mm256_and_si256(b, low);
+        w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    }
+}
+
 /* 8 output columns (group ``cg``) for R rows of x. The weights of a group are interleaved
  * so that 32-bit lane i of every vector belongs to column i: block g of the group is 4
  * 32-byte chunks, chunk j holding for each column 4 bytes whose low nibbles are the codes of
@@ -184,7 +197,6 @@ static inline __attribute__((always_inline)) QD_AVX2 void store_rows(const __m25
             const int8_t* xq, const float* sx, const float* sumx, uint16_t* y, int cg,     \
             int n, int k, int paired) {                                                    \
         const int groups = k / 32;                                                         \
-        const __m256i low = _mm256_set1_epi8(0x0f);                                       \
         __m256 acc[QD_MAX_ROWS];                                                           \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                          \
         const GroupAt at = group_at(cg, n / 8, groups, paired);                            \
@@ -194,12 +206,7 @@ static inline __attribute__((always_inline)) QD_AVX2 void store_rows(const __m25
         for (int g = 0; g < groups; g++) {                                                 \
             __m256i w[8];                                                                  \
             prefetch_ahead(cb + (size_t)g * at.block, at.block, QD_AHEAD_4BIT);            \
-            for (int j = 0; j < 4; j++) {                                                  \
-                const __m256i b = _mm256_loadu_si256(                                      \
-                    (const __m256i*)(cb + (size_t)g * at.block + at.chunk * j));           \
-                w[j] = _mm256_and_si256(b, low);                                           \
-                w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);                 \
-            }                                                                              \
+            unpack4(cb + (size_t)g * at.block, at.chunk, w);                               \
             const __m256 dv = _mm256_cvtph_ps(                                             \
                 _mm_loadu_si128((const __m128i*)(db + (size_t)g * at.scales)));            \
             const __m256 mv = _mm256_cvtph_ps(                                             \

@@ -109,6 +109,10 @@ class Q4KQ8Weight:
     in_features: int
 
 
+LAYER_WEIGHTS = (Q4Q8Weight, Q4KQ8Weight, Q6Q8Weight)  # what a model's layer matrix may be
+WEIGHTS = (*LAYER_WEIGHTS, Q8Q8Weight)  # everything :func:`linear` takes
+
+
 @dataclass(frozen=True)
 class _Kernels:
     q4: Any  # ctypes qd_q4q8_linear
@@ -165,8 +169,9 @@ def native_entry_points() -> tuple[int, int, int] | None:
     kernel = _kernel()
     if kernel is None:
         return None
-    return tuple(ctypes.cast(fn, ctypes.c_void_p).value or 0  # type: ignore[return-value]
-                 for fn in (kernel.q4, kernel.q6, kernel.q4k))
+    q4, q6, q4k = (ctypes.cast(fn, ctypes.c_void_p).value or 0
+                   for fn in (kernel.q4, kernel.q6, kernel.q4k))
+    return q4, q6, q4k
 
 
 def native_parts(weight: Q4Q8Weight | Q6Q8Weight | Q4KQ8Weight,

@@ -13,7 +13,7 @@
  * per row the 4-bit tile's  acc = fma(float(isum), dv * sx, acc); acc = fma(mv, sumx, acc).
  * The AVX2 loop on every CPU kind (the same bits everywhere); kernels/cpu_q4q8.py packs these
  * only where the 4-bit weights are not paired (AVX2-only machines), keeping the 16-column
- * VNNI loop elsewhere. Included by cpu_q4q8.c only (it uses its helpers: dot8_avx2,
+ * VNNI loop elsewhere. Included by cpu_q4q8.c only (it uses its helpers: unpack4, dot8_avx2,
  * prefetch_ahead, store_rows, QD_BY_ROWS). */
 
 static inline __attribute__((always_inline)) QD_AVX2 void tilek_avx2(
@@ -21,7 +21,6 @@ static inline __attribute__((always_inline)) QD_AVX2 void tilek_avx2(
         const int8_t* xq, const float* sx, const float* sumx, uint16_t* y, int cg, int n,
         int k) {
     const int groups = k / 32;
-    const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 acc[QD_MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const uint8_t* cb = codes + (size_t)cg * groups * 128;
@@ -31,11 +30,7 @@ static inline __attribute__((always_inline)) QD_AVX2 void tilek_avx2(
     for (int g = 0; g < groups; g++) {
         __m256i w[8];
         prefetch_ahead(cb + (size_t)g * 128, 128, QD_AHEAD_4BIT);
-        for (int j = 0; j < 4; j++) {
-            const __m256i b = _mm256_loadu_si256((const __m256i*)(cb + (size_t)g * 128 + 32 * j));
-            w[j] = _mm256_and_si256(b, low);
-            w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-        }
+        unpack4(cb + (size_t)g * 128, 32, w);
         if (g % 8 == 0) {  /* a new super-block of 256 */
             const uint16_t* s = db + (size_t)(g / 8) * 16;
             d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));

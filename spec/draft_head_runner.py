@@ -47,7 +47,7 @@ import torch
 
 from quickdraft.engine.backend import KernelBackend, synchronize
 from quickdraft.engine.kv_cache import kv_bytes_per_block
-from quickdraft.engine.models.llama import Linear, LlamaForCausalLM, Q4Q8Kinds, StackedWeight
+from quickdraft.engine.models.llama import Linear, LlamaForCausalLM, StackedWeight
 from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.engine.step_plan import StepPlan
@@ -127,7 +127,7 @@ class DraftHeadRunner:
         ref = next((m for m in target.layers.modules() if isinstance(m, Linear)), None)
         if ref is None or (not ref.use_int4 and ref.gemv is None):
             return "torch"
-        q8 = ref.use_int4 and isinstance(ref.int4, (*Q4Q8Kinds, StackedWeight))
+        q8 = ref.use_int4 and isinstance(ref.int4, (*cpu_q4q8.LAYER_WEIGHTS, StackedWeight))
         kind = ("int4-q8" if q8 else "int4") if ref.use_int4 else "gemv"
         module = cpu_q4q8 if q8 else cpu_int4
         for name in HEAD_LINEARS:

@@ -41,11 +41,10 @@ class StackedWeight:
 
 
 FourBitWeight = Int4Weight | Q4Q8Weight | Q4KQ8Weight | Q8Q8Weight | Q6Q8Weight | StackedWeight
-Q4Q8Kinds = (Q4Q8Weight, Q4KQ8Weight, Q6Q8Weight)  # a layer matrix on kernels.cpu_q4q8
 
 
 def _four_bit_linear(x: torch.Tensor, weight: FourBitWeight) -> torch.Tensor:
-    if isinstance(weight, (*Q4Q8Kinds, Q8Q8Weight)):
+    if isinstance(weight, cpu_q4q8.WEIGHTS):
         return cpu_q4q8.linear(x, weight)
     if isinstance(weight, StackedWeight):
         return torch.cat([cpu_q4q8.linear(x, part) for part in weight.parts], dim=-1)
@@ -101,7 +100,7 @@ def _native_parts(weight: FourBitWeight) -> tuple[torch.Tensor, ...]:
     assert not isinstance(weight, Q8Q8Weight), "the layers' matrices are 4- or 6-bit"
     if isinstance(weight, StackedWeight):
         return tuple(t for part in weight.parts for t in cpu_q4q8.native_parts(part))
-    if isinstance(weight, Q4Q8Kinds):
+    if isinstance(weight, cpu_q4q8.LAYER_WEIGHTS):
         return cpu_q4q8.native_parts(weight)
     return weight.packed, weight.scales_and_zeros
 
@@ -292,8 +291,8 @@ class DecoderLayer(nn.Module):
         linears = (attn.qkv, attn.o, mlp.gate_up, mlp.down)
         self.native = None
         weights = [lin.int4 for lin in linears]
-        q4q8 = all(isinstance(w, Q4Q8Kinds) for w in weights[1:]) and (
-            isinstance(weights[0], Q4Q8Kinds)
+        q4q8 = all(isinstance(w, cpu_q4q8.LAYER_WEIGHTS) for w in weights[1:]) and (
+            isinstance(weights[0], cpu_q4q8.LAYER_WEIGHTS)
             or (isinstance(weights[0], StackedWeight) and len(weights[0].parts) == 2))
         if enabled and all(lin.use_int4 for lin in linears) \
                 and (all(isinstance(w, Int4Weight) for w in weights)

@@ -81,10 +81,20 @@ def test_scales_that_do_not_factor_keep_the_4_bit_layout():
     assert_matches_q8_reference(cpu_q4q8.linear(x, w), x, dense(q, d, m, torch.float64))
 
 
-def test_pack_layer_picks_the_q4_k_layout_where_4_bit_weights_are_not_paired():
+@pytest.mark.parametrize("paired", [False, True], ids=["avx2-only", "avx512-vnni"])
+def test_pack_layer_picks_the_q4_k_layout_where_4_bit_weights_are_not_paired(monkeypatch,
+                                                                            paired):
     """AVX2-only machines: the Q4_K layout (0.578 bytes a weight against 0.625); where the
-    16-column VNNI loop runs (paired 4-bit weights) the 4-bit layout, for that loop."""
+    16-column VNNI loop runs (paired 4-bit weights) the 4-bit layout, for that loop. Both
+    kinds' choices on any machine (the paired weights run on the AVX2 loop where the CPU
+    lacks VNNI: the same bits, tested in test_cpu_q4q8.py)."""
+    monkeypatch.setattr(cpu_q4q8, "pairs_columns", lambda: paired)
     q, d, m = random_q4k_weights(16, 512, seed=4)
     w = cpu_q4q8.pack_layer(q, d, m)
-    want = cpu_q4q8.Q4Q8Weight if cpu_q4q8.pairs_columns() else cpu_q4q8.Q4KQ8Weight
-    assert isinstance(w, want)
+    if paired:  # the 4-bit layout keeps the scales as fp16
+        assert isinstance(w, cpu_q4q8.Q4Q8Weight) and w.paired
+        d, m = d.half().float(), m.half().float()
+    else:
+        assert isinstance(w, cpu_q4q8.Q4KQ8Weight)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
+    assert_matches_q8_reference(cpu_q4q8.linear(x, w), x, dense(q, d, m, torch.float64))
