@@ -34,9 +34,12 @@
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "cpu_layer_arena.h"
 
 namespace {
 
@@ -61,6 +64,9 @@ int64_t silu_vec_block = 0;
 int64_t par_rows = 1;  // the small ops use threads above this many rows (as cpu_fused.py)
 
 constexpr int64_t kGroup = 32;
+// Most bytes an arena keeps between steps: SmolLM2's and Qwen2.5-1.5B's 64-row steps fit
+// (~1.5 and ~6 MB a layer), a 2,048-token prefill chunk's (~47 and ~200 MB) is given back.
+constexpr size_t kArenaKeepBytes = 32 << 20;
 
 void check(bool ok, const char* what) {
     if (!ok) throw std::invalid_argument(std::string("quickdraft::decoder_layer: ") + what);
@@ -81,16 +87,16 @@ void set_cpu_kernels(int64_t rms, int64_t rope, int64_t silu, int64_t attend,
     par_rows = parallel_rows;
 }
 
-at::Tensor bf16_empty(int64_t rows, int64_t cols) {
-    return at::empty({rows, cols}, at::TensorOptions().dtype(at::kBFloat16));
-}
+// Every helper below takes its outputs from ``arena`` (cpu_layer_arena.h) when one is given,
+// else allocates them.
 
 // y = norm(x (+ residual)); r = x + residual. residual undefined: r = x.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& w, double eps, int threads) {
+                                                const at::Tensor& w, double eps, int threads,
+                                                Arena* arena = nullptr) {
     const int64_t rows = x.size(0), n = x.size(1);
-    at::Tensor y = bf16_empty(rows, n);
-    at::Tensor r = residual.defined() ? bf16_empty(rows, n) : x;
+    at::Tensor y = bf16_tensor(arena, rows, n);
+    at::Tensor r = residual.defined() ? bf16_tensor(arena, rows, n) : x;
     int rc = rms_fn(x.data_ptr(), residual.defined() ? residual.data_ptr() : nullptr,
                     w.data_ptr(), y.data_ptr(), residual.defined() ? r.data_ptr() : nullptr,
                     static_cast<int>(rows), static_cast<int>(n), static_cast<float>(eps),
@@ -107,7 +113,7 @@ struct Matrix {
     bool q4q8;
 };
 
-at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
+at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads, Arena* arena = nullptr) {
     if (!w.q4q8) return at::cpu::_weight_int4pack_mm_for_cpu(x, *w.parts[0], kGroup, *w.parts[1]);
     // [n/8, k/32, 4, 8, 4] uint8 4-bit codes or [n/8, k/32, 6, 8, 4] 6-bit ones (cpu_q4q8.c)
     const at::Tensor& codes = *w.parts[0];
@@ -116,9 +122,8 @@ at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
     check(fn != nullptr, "the q4q8 kernel's 6-bit or Q4_K entry point is not available");
     const int64_t rows = x.size(0), n = codes.size(0) * 8, k = codes.size(1) * kGroup;
     check(x.size(1) == k, "q4q8 weight does not fit the activations");
-    at::Tensor y = bf16_empty(rows, n);
-    at::Tensor scratch = at::empty({rows * (k + 8 * (k / kGroup))},
-                                   at::TensorOptions().dtype(at::kByte));
+    at::Tensor y = bf16_tensor(arena, rows, n);
+    at::Tensor scratch = byte_tensor(arena, rows * (k + 8 * (k / kGroup)));
     int rc = fn(x.data_ptr(), codes.data_ptr(), w.parts[1]->data_ptr(), w.parts[2]->data_ptr(),
                 y.data_ptr(), static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k),
                 threads, static_cast<int>(q4q8_flags), scratch.data_ptr());
@@ -128,10 +133,11 @@ at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
 
 // Matrices side by side (a fused qkv whose parts the file stores in different formats):
 // each part's output for the same rows, concatenated by columns as the Python layer does.
-at::Tensor mm_parts(const at::Tensor& x, const std::vector<Matrix>& parts, int threads) {
-    if (parts.size() == 1) return mm(x, parts[0], threads);
+at::Tensor mm_parts(const at::Tensor& x, const std::vector<Matrix>& parts, int threads,
+                    Arena* arena) {
+    if (parts.size() == 1) return mm(x, parts[0], threads, arena);
     std::vector<at::Tensor> outs;
-    for (const Matrix& w : parts) outs.push_back(mm(x, w, threads));
+    for (const Matrix& w : parts) outs.push_back(mm(x, w, threads, arena));
     return at::cat(outs, 1);
 }
 
@@ -154,7 +160,7 @@ void rope_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, in
 // attention output [T, H * D]. The kernel checks the whole step before writing anything.
 at::Tensor attend(const at::Tensor& qkv, const at::Tensor& slots, const at::Tensor& kv_cache,
                   at::TensorList meta, int64_t heads, int64_t kv_heads, double scale,
-                  int threads) {
+                  int threads, Arena* arena = nullptr) {
     const int64_t rows = qkv.size(0), width = qkv.size(1), d = width / (heads + 2 * kv_heads);
     check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
               && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
@@ -171,7 +177,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& slots, const at::Tens
               "tree_mask must be a contiguous int64 [rows] vector");
         tree_mask = meta[4].data_ptr<int64_t>();
     }
-    at::Tensor attn = bf16_empty(rows, heads * d);
+    at::Tensor attn = bf16_tensor(arena, rows, heads * d);
     int rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
                        kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                        qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
@@ -188,21 +194,22 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& slots, const at::Tens
 // RoPE, then the KV write and the attention: the attention output [T, H * D].
 at::Tensor rope_and_attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                            const at::Tensor& kv_cache, at::TensorList meta, int64_t heads,
-                           int64_t kv_heads, double scale, int threads, int small_threads) {
+                           int64_t kv_heads, double scale, int threads, int small_threads,
+                           Arena* arena) {
     rope_rows(qkv, cos, sin, heads, kv_heads, small_threads);
-    return attend(qkv, meta[0], kv_cache, meta, heads, kv_heads, scale, threads);
+    return attend(qkv, meta[0], kv_cache, meta, heads, kv_heads, scale, threads, arena);
 }
 
 // The MLP: mm(silu_mul(mm(h, gate_up_w)), down_w).
 at::Tensor mlp(const at::Tensor& h, const Matrix& gate_up_w, const Matrix& down_w, int threads,
-               int small_threads) {
-    at::Tensor gate_up = mm(h, gate_up_w, threads);  // [T, 2 * inter]
+               int small_threads, Arena* arena = nullptr) {
+    at::Tensor gate_up = mm(h, gate_up_w, threads, arena);  // [T, 2 * inter]
     const int64_t rows = h.size(0), inter = gate_up.size(1) / 2;
-    at::Tensor act = bf16_empty(rows, inter);
+    at::Tensor act = bf16_tensor(arena, rows, inter);
     int rc = silu_fn(gate_up.data_ptr(), act.data_ptr(), static_cast<int>(rows),
                      static_cast<int>(inter), static_cast<int>(silu_vec_block), small_threads);
     check(rc == 0, "silu_mul kernel failed");
-    return mm(act, down_w, threads);
+    return mm(act, down_w, threads, arena);
 }
 
 // weights: ln1, qkv_packed, qkv_sz, o_packed, o_sz, ln2, gate_up_packed, gate_up_sz,
@@ -211,11 +218,13 @@ at::Tensor mlp(const at::Tensor& h, const Matrix& gate_up_w, const Matrix& down_
 //          down (3)[, qkv_bias]                                   (q4q8: 14, 15, 17 or 18)
 // meta: slot_mapping, block_tables, seq_lens, query_start_loc (int32, the step's metadata)
 //       [, tree_mask (int64 [T], the rows' ancestor bits; empty: every row causal)]
-std::tuple<at::Tensor, at::Tensor> decoder_layer(
+// arena: where its tensors go (LayerStack's), or null: allocated (the op below); with an
+// arena the two results live there too.
+std::tuple<at::Tensor, at::Tensor> run_layer(
         const at::Tensor& x, const std::optional<at::Tensor>& residual_opt,
         at::TensorList weights, const at::Tensor& cos, const at::Tensor& sin,
         const at::Tensor& kv_cache, at::TensorList meta, int64_t heads, int64_t kv_heads,
-        double eps, double scale) {
+        double eps, double scale, Arena* arena) {
     check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
     const size_t nw = weights.size();
     check(nw == 10 || nw == 11 || nw == 14 || nw == 15 || nw == 17 || nw == 18,
@@ -242,14 +251,24 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const int threads = at::get_num_threads();
     const int small_threads = rows > par_rows ? threads : 1;
 
-    auto [h, r] = add_rms_norm(x, residual, weights[0], eps, small_threads);
-    at::Tensor qkv = mm_parts(h, qkv_w, threads);  // [T, (H + 2 KVH) * D]
+    auto [h, r] = add_rms_norm(x, residual, weights[0], eps, small_threads, arena);
+    at::Tensor qkv = mm_parts(h, qkv_w, threads, arena);  // [T, (H + 2 KVH) * D]
     if (has_bias) qkv.add_(weights[nw - 1]);
     at::Tensor attn = rope_and_attend(qkv, cos, sin, kv_cache, meta, heads, kv_heads, scale,
-                                      threads, small_threads);
-    at::Tensor o = mm(attn, o_w, threads);
-    auto [h2, r2] = add_rms_norm(o, r, ln2, eps, small_threads);
-    return {mlp(h2, gate_up_w, down_w, threads, small_threads), r2};
+                                      threads, small_threads, arena);
+    at::Tensor o = mm(attn, o_w, threads, arena);
+    auto [h2, r2] = add_rms_norm(o, r, ln2, eps, small_threads, arena);
+    return {mlp(h2, gate_up_w, down_w, threads, small_threads, arena), r2};
+}
+
+// The op: one layer, its tensors allocated.
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
+        const at::Tensor& x, const std::optional<at::Tensor>& residual_opt,
+        at::TensorList weights, const at::Tensor& cos, const at::Tensor& sin,
+        const at::Tensor& kv_cache, at::TensorList meta, int64_t heads, int64_t kv_heads,
+        double eps, double scale) {
+    return run_layer(x, residual_opt, weights, cos, sin, kv_cache, meta, heads, kv_heads, eps,
+                     scale, nullptr);
 }
 
 // The draft head's one layer (spec/draft_head.py: layer_input, attention, finish_layer), in
@@ -315,7 +334,7 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
             check(ix[i] >= (i ? ix[i - 1] + 1 : 0) && ix[i] < total,
                   "rows must be increasing indices of the step's rows");
         const int64_t width = qkv.size(1);
-        at::Tensor full = bf16_empty(total, width);  // [T, width]: zero but the listed rows
+        at::Tensor full = bf16_tensor(nullptr, total, width);  // [T, width]: zero but the listed rows
         std::memset(full.data_ptr(), 0, static_cast<size_t>(total * width) * 2);
         at::Tensor written = at::empty({total}, slots.options());  // their slots, else -1
         const int32_t* from = slots.data_ptr<int32_t>();
@@ -329,7 +348,7 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
         }
         at::Tensor all = attend(full, written, kv_cache, meta, heads, kv_heads, scale, threads);
         const int64_t hd = all.size(1);
-        attn = bf16_empty(rows, hd);  // [r, H * D]
+        attn = bf16_tensor(nullptr, rows, hd);  // [r, H * D]
         const auto* a_src = static_cast<const uint16_t*>(all.data_ptr());
         auto* a_dst = static_cast<uint16_t*>(attn.data_ptr());
         for (int64_t i = 0; i < rows; i++)
@@ -343,13 +362,16 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
 // A model's decoder layers bound once (each layer's decoder_layer weights, and its KV cache),
 // so that a step runs them all in one call: called layer by layer from Python, each call
 // converts its ~25 arguments (the weight list above all) for the dispatcher, ~17 us a layer
-// on the 2-core AVX2-only EPYC, ~9 % of a SmolLM2 decode step there. The layers run exactly as 30
-// decoder_layer calls would (the same function, in order), so the bits are the same.
+// on the 2-core AVX2-only EPYC, ~9 % of a SmolLM2 decode step there. The layers run exactly
+// as 30 decoder_layer calls would (the same function and kernels, in order), so the bits are
+// the same; their tensors come from two arenas kept from step to step (cpu_layer_arena.h).
 struct LayerStack : torch::CustomClassHolder {
     std::vector<std::vector<at::Tensor>> weights;  // per layer, as decoder_layer takes them
     std::vector<at::Tensor> kv_caches;             // per layer
     int64_t heads, kv_heads;
     double eps, scale;
+    Arena arenas[2];  // layer l's tensors in arenas[l % 2]; one step at a time (step_lock)
+    std::mutex step_lock;
 
     // flat: every layer's weight list in turn, lengths[l] tensors for layer l
     LayerStack(std::vector<at::Tensor> flat, std::vector<int64_t> lengths,
@@ -379,21 +401,27 @@ struct LayerStack : torch::CustomClassHolder {
             check(aux_after[i] >= 1 && aux_after[i] <= static_cast<int64_t>(weights.size())
                       && (i == 0 || aux_after[i] > aux_after[i - 1]),
                   "aux_after must be ascending layer counts in 1..L");
+        const std::lock_guard<std::mutex> hold(step_lock);
         at::Tensor x = x0;
         std::optional<at::Tensor> residual;
         std::vector<at::Tensor> aux;
         size_t next = 0;
         for (size_t l = 0; l < weights.size(); ++l) {
-            auto [y, r] = decoder_layer(x, residual, weights[l], cos, sin, kv_caches[l], meta,
-                                        heads, kv_heads, eps, scale);
+            // layer l - 2's tensors, the last in this arena, are dead: l - 1 read them
+            Arena& arena = arenas[l % 2];
+            arena.reset();
+            auto [y, r] = run_layer(x, residual, weights[l], cos, sin, kv_caches[l], meta,
+                                    heads, kv_heads, eps, scale, &arena);
             x = y;
             residual = r;
             while (next < aux_after.size() && aux_after[next] == static_cast<int64_t>(l + 1)) {
-                aux.push_back(at::add(x, r));
+                aux.push_back(at::add(x, r));  // allocated: it outlives the step
                 ++next;
             }
         }
-        std::vector<at::Tensor> out{x, residual.has_value() ? *residual : x};
+        // the arenas' memory is reused by the next step: the results leave as copies
+        std::vector<at::Tensor> out{x.clone(), residual.has_value() ? residual->clone() : x};
+        for (Arena& arena : arenas) arena.release_above(kArenaKeepBytes);
         out.insert(out.end(), aux.begin(), aux.end());
         return out;
     }

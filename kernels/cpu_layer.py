@@ -62,8 +62,8 @@ def _load() -> bool:
             problem = "g++ not found"
         else:
             cflags, ldflags = _flags()
-            path = cbuild.build("cpu_layer", _SOURCE.read_bytes(), cflags, gxx, lang="c++",
-                                ldflags=ldflags)
+            path = cbuild.build("cpu_layer", cbuild.read_source(_SOURCE), cflags, gxx,
+                                lang="c++", ldflags=ldflags)
             torch.ops.load_library(str(path))
             _hand_over(attention["write_attend"])
             cbuild.record("cpu_layer", None)

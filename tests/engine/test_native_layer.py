@@ -299,6 +299,46 @@ def test_all_layers_in_one_call_equal_layer_by_layer(kernel: str, monkeypatch) -
             assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("kernel", ["q8", "q4k"])
+def test_the_stacks_results_are_its_callers_across_steps(kernel: str) -> None:
+    """LayerStack carves a step's tensors out of two arenas it keeps from step to step
+    (kernels/cpu_layer_arena.h): what it returns must be the caller's own memory, which a
+    later step (smaller or larger, so the arenas grow and merge: the wide q4k model's 30-row
+    step takes more than the first 64 KB chunk) leaves alone, and each step's results must
+    equal the same step run layer by layer."""
+    if not cpu_q4q8.available():
+        pytest.skip("the q4q8 kernel is not built here")
+    model = _model(False, kernel)
+    model.use_native_layers(True)
+    hidden = 256 if kernel == "q4k" else 64  # as _model
+    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, 2, hidden // 4, dtype=torch.bfloat16)
+              for _ in range(3)]
+    stack = model._native_stack(caches)
+    assert stack is not None
+    attn = model.layers[0].self_attn
+    gen, kept = torch.Generator().manual_seed(5), []
+    with torch.inference_mode():
+        for rows in (3, 30, 1, 30, 7):
+            meta = build_metadata([0, rows], [rows], [list(range(NUM_BLOCKS))[:8]], BLOCK)
+            x = torch.randn(rows, hidden, generator=gen).bfloat16()
+            cos_sin = model.rotary.cos_sin(torch.arange(rows))
+            out = cpu_layer.run_stack(stack, x, cos_sin, meta, [1, 3])
+            assert out is not None
+            want_x, want_r = x, None
+            for layer, cache in zip(model.layers, caches, strict=True):
+                want_x, want_r = torch.ops.quickdraft_cpu.decoder_layer(
+                    want_x, want_r, layer.native, *cos_sin, cache,
+                    cpu_layer._meta_tensors(meta), attn.heads, attn.kv_heads,
+                    layer.input_layernorm.eps, attn.scale)
+            x_out, r_out, aux = out
+            assert torch.equal(x_out, want_x) and torch.equal(r_out, want_r)
+            kept.append([t.clone() for t in (x_out, r_out, *aux)] + [x_out, r_out, *aux])
+    for saved in kept:  # every step's results are as they were returned
+        half = len(saved) // 2
+        for copy, live in zip(saved[:half], saved[half:], strict=True):
+            assert torch.equal(copy, live)
+
+
 def test_a_rejected_step_declines_the_stack_and_writes_nothing() -> None:
     model = _model(False)
     caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 16, dtype=torch.bfloat16) for _ in range(3)]
