@@ -334,7 +334,8 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
             check(ix[i] >= (i ? ix[i - 1] + 1 : 0) && ix[i] < total,
                   "rows must be increasing indices of the step's rows");
         const int64_t width = qkv.size(1);
-        at::Tensor full = bf16_tensor(nullptr, total, width);  // [T, width]: zero but the listed rows
+        // [T, width]: zero but the listed rows
+        at::Tensor full = bf16_tensor(nullptr, total, width);
         std::memset(full.data_ptr(), 0, static_cast<size_t>(total * width) * 2);
         at::Tensor written = at::empty({total}, slots.options());  // their slots, else -1
         const int32_t* from = slots.data_ptr<int32_t>();
