@@ -44,8 +44,7 @@ class Arena {
     // into them: the caller's contract), so the steady state takes from a single chunk.
     void reset() {
         if (chunks_.size() > 1) {
-            size_t total = 0;
-            for (const at::Tensor& c : chunks_) total += static_cast<size_t>(c.numel());
+            const size_t total = capacity();
             chunks_.clear();
             chunks_.push_back(new_chunk(total));
         }
@@ -56,13 +55,17 @@ class Arena {
     // so that one large step does not pin its buffers for the process's life; the same
     // contract as reset().
     void release_above(size_t keep) {
-        size_t total = 0;
-        for (const at::Tensor& c : chunks_) total += static_cast<size_t>(c.numel());
-        if (total > keep) chunks_.clear();
+        if (capacity() > keep) chunks_.clear();
         off_ = 0;
     }
 
   private:
+    size_t capacity() const {  // bytes in all chunks
+        size_t total = 0;
+        for (const at::Tensor& c : chunks_) total += static_cast<size_t>(c.numel());
+        return total;
+    }
+
     static constexpr size_t kAlign = 64;     // as c10's CPU allocator
     static constexpr size_t kMinChunk = 64 << 10;
 

@@ -299,23 +299,34 @@ def test_all_layers_in_one_call_equal_layer_by_layer(kernel: str, monkeypatch) -
             assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("avx2_loop", [False, True], ids=["own-loop", "avx2-loop"])
 @pytest.mark.parametrize("kernel", ["q8", "q4k"])
-def test_the_stacks_results_are_its_callers_across_steps(kernel: str) -> None:
+def test_the_stacks_results_are_its_callers_across_steps(kernel: str, avx2_loop: bool) -> None:
     """LayerStack carves a step's tensors out of two arenas it keeps from step to step
     (kernels/cpu_layer_arena.h): what it returns must be the caller's own memory, which a
     later step (smaller or larger, so the arenas grow and merge: the wide q4k model's 30-row
     step takes more than the first 64 KB chunk) leaves alone, and each step's results must
-    equal the same step run layer by layer."""
+    equal the same step run layer by layer. ``avx2_loop``: the matmuls on the AVX2-only
+    kind's loop whatever this CPU is (the same as its own loop on such a CPU)."""
     if not cpu_q4q8.available():
         pytest.skip("the q4q8 kernel is not built here")
+    if avx2_loop:
+        cpu_layer.use_q4q8_loop(False)
+    try:
+        _check_stack_results_across_steps(kernel)
+    finally:
+        cpu_layer.use_q4q8_loop(None)
+
+
+def _check_stack_results_across_steps(kernel: str) -> None:
     model = _model(False, kernel)
     model.use_native_layers(True)
-    hidden = 256 if kernel == "q4k" else 64  # as _model
-    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, 2, hidden // 4, dtype=torch.bfloat16)
-              for _ in range(3)]
+    attn = model.layers[0].self_attn
+    hidden = model.layers[0].input_layernorm.weight.numel()
+    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK, attn.kv_heads, attn.head_dim,
+                          dtype=torch.bfloat16) for _ in range(3)]
     stack = model._native_stack(caches)
     assert stack is not None
-    attn = model.layers[0].self_attn
     gen, kept = torch.Generator().manual_seed(5), []
     with torch.inference_mode():
         for rows in (3, 30, 1, 30, 7):
