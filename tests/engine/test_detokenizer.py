@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from quickdraft.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from quickdraft.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer, _decoder
 from quickdraft.engine.sampling_params import SamplingParams
 
 TEXTS = [
@@ -299,3 +299,21 @@ def test_empty_add_and_finish_idempotent(tok: Any) -> None:
     assert detok.finish() == ""
     assert detok.output_text == ""
     assert detok.add_tokens(_ids(tok, "late")).text == ""
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_decoder_shortcut_streams_what_the_wrapper_does(tok: Any, skip: bool) -> None:
+    """The real tokenizer is decoded through its Rust ``decode`` directly (a step's two
+    decodes without transformers' wrapper); the same stream through the wrapper (a spy, which
+    the shortcut does not recognise) comes out piece for piece the same, special tokens in
+    or out."""
+    assert _decoder(tok, skip).func == tok.backend_tokenizer.decode
+    assert _decoder(_DecodeSpy(tok), skip).func != tok.backend_tokenizer.decode
+    chat = tok.apply_chat_template([{"role": "user", "content": TEXTS[2]}], tokenize=False)
+    ids = _ids(tok, chat + " ".join(TEXTS) + "<|im_end|>")
+    params = SamplingParams(skip_special_tokens=skip)
+    for seed in (None, 3):
+        fast, _, _ = _stream(tok, ids, params, rng=random.Random(seed) if seed else None)
+        slow, _, _ = _stream(_DecodeSpy(tok), ids, params,
+                             rng=random.Random(seed) if seed else None)
+        assert fast == slow and "".join(fast)
