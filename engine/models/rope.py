@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3", "yarn"})
 
@@ -112,5 +113,9 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` of shape ``[num_tokens, 1, head_dim]``, shared by all layers of a step."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """``cos, sin`` of shape ``[num_tokens, 1, head_dim]``, shared by all layers of a step.
+        (Gathered as embeddings, the same rows: once a model step has evicted the
+        dispatcher's code, ``table[positions]`` took ~64 us for both and this ~36 us on the
+        AVX2-only Zen 4.)"""
+        return (F.embedding(positions, self.cos).unsqueeze(1),
+                F.embedding(positions, self.sin).unsqueeze(1))
