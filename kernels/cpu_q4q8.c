@@ -383,9 +383,11 @@ QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
  * everything else the 8-column loops, which read either 4-bit layout. */
 enum { QD_Q4 = 0, QD_Q8 = 1, QD_Q6 = 2, QD_Q4K = 3 };  /* linear_any's weight kinds */
 
+/* ``yf`` (may be NULL): also y's values as fp32 [rows, n] (exact: bf16 -> fp32), each
+ * task's columns converted by the thread that computed them, while they are in its cache. */
 static int linear_any(const uint16_t* x, const void* codes, const void* d,
-                      const uint16_t* mn, int kind, uint16_t* y, int rows, int n, int k,
-                      int threads, int flags, void* scratch) {
+                      const uint16_t* mn, int kind, uint16_t* y, float* yf, int rows, int n,
+                      int k, int threads, int flags, void* scratch) {
     const int vnni = flags & QD_LOOP_VNNI, paired = (flags & QD_PAIRED) != 0;
     if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32 || (kind != QD_Q4 && paired)
         || (kind == QD_Q4K && k % 256))
@@ -434,6 +436,11 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
                     columns_avx2(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k, paired);
             }
         }
+        if (yf) {
+            for (int r = 0; r < rows; r++)
+                for (int c = lo * 8; c < hi * 8; c++)
+                    yf[(size_t)r * n + c] = bf16_to_f32(y[(size_t)r * n + c]);
+        }
     }
     return 0;
 }
@@ -441,13 +448,22 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
 /* 4-bit weights (the layout above QD_TILE). */
 int qd_q4q8_linear(const uint16_t* x, const uint8_t* codes, const uint16_t* d, const uint16_t* mn,
                    uint16_t* y, int rows, int n, int k, int threads, int flags, void* scratch) {
-    return linear_any(x, codes, d, mn, QD_Q4, y, rows, n, k, threads, flags, scratch);
+    return linear_any(x, codes, d, mn, QD_Q4, y, NULL, rows, n, k, threads, flags, scratch);
 }
 
 /* Q8_0 weights (the layout above QD_TILE8); same scratch. */
 int qd_q8q8_linear(const uint16_t* x, const int8_t* codes, const uint16_t* d, uint16_t* y,
                    int rows, int n, int k, int threads, int flags, void* scratch) {
-    return linear_any(x, codes, d, NULL, QD_Q8, y, rows, n, k, threads, flags, scratch);
+    return linear_any(x, codes, d, NULL, QD_Q8, y, NULL, rows, n, k, threads, flags, scratch);
+}
+
+/* qd_q8q8_linear, also writing the result as fp32 into yf [rows, n] (an LM head's logits:
+ * no separate conversion pass); y still receives the bf16 result. */
+int qd_q8q8_linear_f32(const uint16_t* x, const int8_t* codes, const uint16_t* d, uint16_t* y,
+                       float* yf, int rows, int n, int k, int threads, int flags,
+                       void* scratch) {
+    if (!yf) return -1;
+    return linear_any(x, codes, d, NULL, QD_Q8, y, yf, rows, n, k, threads, flags, scratch);
 }
 
 /* Q6_K weights (the layout in cpu_q4q8_six.h: sc in d's place, d in mn's); same scratch; the
@@ -455,7 +471,16 @@ int qd_q8q8_linear(const uint16_t* x, const int8_t* codes, const uint16_t* d, ui
 int qd_q6q8_linear(const uint16_t* x, const uint8_t* codes, const int8_t* sc,
                    const uint16_t* d, uint16_t* y, int rows, int n, int k, int threads,
                    int flags, void* scratch) {
-    return linear_any(x, codes, sc, d, QD_Q6, y, rows, n, k, threads, flags & ~QD_PAIRED,
+    return linear_any(x, codes, sc, d, QD_Q6, y, NULL, rows, n, k, threads,
+                      flags & ~QD_PAIRED, scratch);
+}
+
+/* qd_q6q8_linear with qd_q8q8_linear_f32's fp32 copy of the result. */
+int qd_q6q8_linear_f32(const uint16_t* x, const uint8_t* codes, const int8_t* sc,
+                       const uint16_t* d, uint16_t* y, float* yf, int rows, int n, int k,
+                       int threads, int flags, void* scratch) {
+    if (!yf) return -1;
+    return linear_any(x, codes, sc, d, QD_Q6, y, yf, rows, n, k, threads, flags & ~QD_PAIRED,
                       scratch);
 }
 
@@ -464,6 +489,6 @@ int qd_q6q8_linear(const uint16_t* x, const uint8_t* codes, const int8_t* sc,
 int qd_q4kq8_linear(const uint16_t* x, const uint8_t* codes, const uint8_t* sm,
                     const uint16_t* dd, uint16_t* y, int rows, int n, int k, int threads,
                     int flags, void* scratch) {
-    return linear_any(x, codes, sm, dd, QD_Q4K, y, rows, n, k, threads, flags & ~QD_PAIRED,
-                      scratch);
+    return linear_any(x, codes, sm, dd, QD_Q4K, y, NULL, rows, n, k, threads,
+                      flags & ~QD_PAIRED, scratch);
 }

@@ -120,6 +120,8 @@ class _Kernels:
     q6: Any  # ctypes qd_q6q8_linear
     q4k: Any  # ctypes qd_q4kq8_linear
     vnni: int  # whether to run the VNNI loops
+    q8_f32: Any  # ctypes qd_q8q8_linear_f32
+    q6_f32: Any  # ctypes qd_q6q8_linear_f32
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,8 +135,13 @@ def _kernel() -> _Kernels | None:
                          (lib.qd_q6q8_linear, 5), (lib.qd_q4kq8_linear, 5)):
         fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int] * 5 + [ctypes.c_void_p]
         fn.restype = ctypes.c_int
+    # the same with an fp32 copy of y after it
+    for fn, pointers in ((lib.qd_q8q8_linear_f32, 5), (lib.qd_q6q8_linear_f32, 6)):
+        fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int] * 5 + [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
     return _Kernels(lib.qd_q4q8_linear, lib.qd_q8q8_linear, lib.qd_q6q8_linear,
-                    lib.qd_q4kq8_linear, int(cbuild.cpu_has(_VNNI_FLAGS)))
+                    lib.qd_q4kq8_linear, int(cbuild.cpu_has(_VNNI_FLAGS)),
+                    lib.qd_q8q8_linear_f32, lib.qd_q6q8_linear_f32)
 
 
 def available() -> bool:
@@ -360,12 +367,14 @@ def scratch_bytes(rows: int, in_features: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8Weight, *,
-           vnni: bool | None = None) -> torch.Tensor:
+           vnni: bool | None = None, float_out: bool = False) -> torch.Tensor:
     """``x @ w.T``: x ``[rows, in]`` (any float dtype; read as bf16) -> ``[rows, out]`` in
     x's dtype. ``vnni`` forces the inner loop (None: VNNI where the CPU has it; False runs
     the AVX2 loop of the other CPU kind; Q6_K and Q4_K weights have one loop, AVX2, which
-    takes the VNNI flag on any CPU). Raises RuntimeError when the kernel is unavailable (check
-    :func:`available`)."""
+    takes the VNNI flag on any CPU). ``float_out``: fp32 instead, the same values as the
+    bf16 result's ``.float()`` (an LM head's logits), converted by the kernel's threads as
+    they finish each column range (Q8_0 and Q6_K weights; others convert afterwards).
+    Raises RuntimeError when the kernel is unavailable (check :func:`available`)."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the q4q8 kernel is not available: "
@@ -378,14 +387,25 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8
     if xb.shape[-1] != weight.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a [{weight.out_features}, "
                          f"{weight.in_features}] weight")
+    out_dtype = torch.float32 if float_out else x.dtype
     y = torch.empty(rows, weight.out_features, dtype=_BF16)
     if rows == 0:  # (a step that samples no row: the LM head gets none)
-        return y.view(*x.shape[:-1], weight.out_features).to(x.dtype)
+        return y.view(*x.shape[:-1], weight.out_features).to(out_dtype)
     scratch = torch.empty(scratch_bytes(rows, weight.in_features), dtype=torch.uint8)
     paired = isinstance(weight, Q4Q8Weight) and weight.paired
     shape = (rows, weight.out_features, weight.in_features, torch.get_num_threads(),
              _flags(use_vnni, paired))
-    if isinstance(weight, Q8Q8Weight):
+    yf: torch.Tensor | None = None
+    if float_out and isinstance(weight, Q8Q8Weight | Q6Q8Weight):
+        yf = torch.empty(rows, weight.out_features, dtype=torch.float32)
+        if isinstance(weight, Q8Q8Weight):
+            rc = kernel.q8_f32(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
+                               y.data_ptr(), yf.data_ptr(), *shape, scratch.data_ptr())
+        else:
+            rc = kernel.q6_f32(xb.data_ptr(), weight.codes.data_ptr(), weight.sc.data_ptr(),
+                               weight.d.data_ptr(), y.data_ptr(), yf.data_ptr(), *shape,
+                               scratch.data_ptr())
+    elif isinstance(weight, Q8Q8Weight):
         rc = kernel.q8(xb.data_ptr(), weight.codes.data_ptr(), weight.d.data_ptr(),
                        y.data_ptr(), *shape, scratch.data_ptr())
     elif isinstance(weight, Q6Q8Weight):
@@ -400,5 +420,7 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8
     if rc != 0:
         raise ValueError(f"q4q8 kernel rejected shapes rows={rows} out="
                          f"{weight.out_features} in={weight.in_features}")
+    if yf is not None:
+        y = yf
     y = y if x.dim() == 2 else y.view(*x.shape[:-1], weight.out_features)
-    return y if y.dtype is x.dtype else y.to(x.dtype)
+    return y if y.dtype is out_dtype else y.to(out_dtype)

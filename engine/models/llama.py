@@ -204,6 +204,14 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return self.gemv(x, self.weight, self.bias)
 
+    def forward_float(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> fp32 [rows, out]
+        """``forward(x).float()``, the same values; an 8- or 6-bit LM head's kernel writes
+        them as fp32 itself (no separate conversion pass over the logits)."""
+        if self.use_int4 and self.bias is None \
+                and isinstance(self.int4, Q8Q8Weight | Q6Q8Weight):
+            return cpu_q4q8.linear(x, self.int4, float_out=True)
+        return self.forward(x).float()
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
@@ -387,7 +395,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden, torch.cat([aux[i] for i in aux_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        return self.lm_head.forward(hidden).float()
+        return self.lm_head.forward_float(hidden)
 
     def enable_cpu_fast_path(self, gemv: Any) -> None:
         """Route bf16 matmuls through the CPU GEMV kernel (see :class:`Linear`)

@@ -15,6 +15,7 @@ from quickdraft.kernels import cpu_q4q8
 from tests.kernels.four_bit_oracle import (
     assert_matches_q8_reference,
     assert_rows_threads_and_isa_agree,
+    random_q4_weights,
     random_q6_weights,
 )
 
@@ -82,3 +83,31 @@ def test_bad_shapes_are_refused():
         cpu_q4q8.linear(torch.zeros(2, 32), cpu_q4q8.pack_q8(w.q, w.d))
     # no rows (a step that samples nothing) is an empty product, not an error
     assert cpu_q4q8.linear(torch.zeros(0, 64), cpu_q4q8.pack_q8(w.q, w.d)).shape == (0, 16)
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "q4"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float_output_is_the_bf16_result_as_fp32(fmt, threads):
+    """``float_out`` (an LM head's logits): the kernel's fp32 copy holds exactly the bf16
+    result's values, for every row (1..17, across the 16-row passes), on every loop and
+    thread count; a 4-bit matrix (no fp32 entry point) converts afterwards, the same."""
+    if fmt == "q4":
+        q, d, m = random_q4_weights(1024, 576, seed=7)
+        packed = cpu_q4q8.pack(q, d, m)
+    else:
+        make, pack = FORMATS[fmt]
+        packed = pack(make(1024, 576, 7))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 4, 17):
+            x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            for vnni in ((False, True) if cpu_q4q8.uses_vnni() else (None,)):
+                y = cpu_q4q8.linear(x, packed, vnni=vnni, float_out=True)
+                assert y.dtype == torch.float32 and y.shape == (rows, 1024)
+                assert torch.equal(y, cpu_q4q8.linear(x, packed, vnni=vnni).float())
+                assert torch.equal(cpu_q4q8.linear(x.view(1, rows, 576), packed, vnni=vnni,
+                                                   float_out=True), y.view(1, rows, 1024))
+    finally:
+        torch.set_num_threads(before)
+    assert cpu_q4q8.linear(torch.zeros(0, 576), packed, float_out=True).dtype == torch.float32
