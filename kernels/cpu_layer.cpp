@@ -398,11 +398,46 @@ struct LayerStack : torch::CustomClassHolder {
     std::vector<at::Tensor> forward(const at::Tensor& x0, const at::Tensor& cos,
                                     const at::Tensor& sin, std::vector<at::Tensor> meta,
                                     std::vector<int64_t> aux_after) {
+        const std::lock_guard<std::mutex> hold(step_lock);
+        auto [x, residual, aux] = run_layers(x0, cos, sin, meta, aux_after);
+        // the arenas' memory is reused by the next step: the results leave as copies
+        std::vector<at::Tensor> out{x.clone(), residual.defined() ? residual.clone() : x};
+        for (Arena& arena : arenas) arena.release_above(kArenaKeepBytes);
+        out.insert(out.end(), aux.begin(), aux.end());
+        return out;
+    }
+
+    // [norm(x + residual) with the model's final norm (norm_w, norm_eps), then the aux
+    // streams as forward's]: the model's hidden states in the same call (the same kernel
+    // as the Python norm after forward, so the same bits), without copying x and the
+    // residual out first.
+    std::vector<at::Tensor> forward_normed(const at::Tensor& x0, const at::Tensor& cos,
+                                           const at::Tensor& sin, std::vector<at::Tensor> meta,
+                                           std::vector<int64_t> aux_after,
+                                           const at::Tensor& norm_w, double norm_eps) {
+        const std::lock_guard<std::mutex> hold(step_lock);
+        auto [x, residual, aux] = run_layers(x0, cos, sin, meta, aux_after);
+        check(norm_w.dim() == 1 && norm_w.size(0) == x.size(1) && norm_w.is_contiguous()
+                  && norm_w.scalar_type() == at::kBFloat16,
+              "the final norm's weight must be a contiguous bf16 [hidden] vector");
+        const int small_threads = x.size(0) > par_rows ? at::get_num_threads() : 1;
+        std::vector<at::Tensor> out{
+            std::get<0>(add_rms_norm(x, residual, norm_w, norm_eps, small_threads))};
+        for (Arena& arena : arenas) arena.release_above(kArenaKeepBytes);
+        out.insert(out.end(), aux.begin(), aux.end());
+        return out;
+    }
+
+  private:
+    // Every layer in turn: (x, residual, aux) with x and residual in the arenas (valid until
+    // the next step's layers reset them). The caller holds step_lock.
+    std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> run_layers(
+            const at::Tensor& x0, const at::Tensor& cos, const at::Tensor& sin,
+            const std::vector<at::Tensor>& meta, const std::vector<int64_t>& aux_after) {
         for (size_t i = 0; i < aux_after.size(); ++i)
             check(aux_after[i] >= 1 && aux_after[i] <= static_cast<int64_t>(weights.size())
                       && (i == 0 || aux_after[i] > aux_after[i - 1]),
                   "aux_after must be ascending layer counts in 1..L");
-        const std::lock_guard<std::mutex> hold(step_lock);
         at::Tensor x = x0;
         std::optional<at::Tensor> residual;
         std::vector<at::Tensor> aux;
@@ -420,11 +455,7 @@ struct LayerStack : torch::CustomClassHolder {
                 ++next;
             }
         }
-        // the arenas' memory is reused by the next step: the results leave as copies
-        std::vector<at::Tensor> out{x.clone(), residual.has_value() ? residual->clone() : x};
-        for (Arena& arena : arenas) arena.release_above(kArenaKeepBytes);
-        out.insert(out.end(), aux.begin(), aux.end());
-        return out;
+        return {x, residual.has_value() ? *residual : at::Tensor(), aux};
     }
 };
 
@@ -434,7 +465,8 @@ TORCH_LIBRARY(quickdraft_cpu, m) {
     m.class_<LayerStack>("LayerStack")
         .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>,
                          std::vector<at::Tensor>, int64_t, int64_t, double, double>())
-        .def("forward", &LayerStack::forward);
+        .def("forward", &LayerStack::forward)
+        .def("forward_normed", &LayerStack::forward_normed);
     m.def("set_cpu_kernels(int rms, int rope, int silu, int attend, int vec_block, "
           "int parallel_rows, int q4q8, int q6q8, int q4kq8, int q4q8_flags) -> ()");
     m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor cos, "

@@ -200,6 +200,23 @@ def run_stack(stack: Any, x: torch.Tensor,  # [T, hidden] bf16: the embeddings
     return out[0], out[1], out[2:]
 
 
+def run_stack_normed(stack: Any, x: torch.Tensor,  # [T, hidden] bf16: the embeddings
+                     cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                     aux_after: list[int],  # ascending layer counts in 1..L
+                     norm_weight: torch.Tensor,  # [hidden] bf16: the model's final norm
+                     eps: float,
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """:func:`run_stack` and the model's final norm in the same call: ``(rms_norm(x +
+    residual) * norm_weight, aux)``, bit-identical to :func:`kernels.cpu_fused.add_rms_norm`
+    on :func:`run_stack`'s ``x`` and ``residual``; None when the step is declined."""
+    try:
+        out: list[torch.Tensor] = stack.forward_normed(
+            x, cos_sin[0], cos_sin[1], _meta_tensors(meta), aux_after, norm_weight, eps)
+    except (RuntimeError, ValueError):
+        return None
+    return out[0], out[1:]
+
+
 def head_layer_weights(input_norm: torch.Tensor, hidden_norm: torch.Tensor,
                        qkv: tuple[torch.Tensor, ...], o: tuple[torch.Tensor, ...],
                        post_norm: torch.Tensor, gate_up: tuple[torch.Tensor, ...],

@@ -380,16 +380,17 @@ class LlamaForCausalLM(nn.Module):
         after = sorted({i for i in aux_layers if i > 0})
         in_model = not after or after[-1] <= len(self.layers)  # (else: the loop's KeyError)
         stack = self._native_stack(kv_caches) if in_model else None
-        out = None if stack is None else cpu_layer.run_stack(stack, x, cos_sin, meta, after)
-        if out is not None:  # every layer in one native call
-            x, residual, streams = out
+        out = None if stack is None else cpu_layer.run_stack_normed(
+            stack, x, cos_sin, meta, after, self.norm.weight, self.norm.eps)
+        if out is not None:  # every layer and the final norm in one native call
+            hidden, streams = out
             aux.update(zip(after, streams, strict=True))
         else:
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 x, residual = layer.forward(x, residual, cos_sin, kv_cache, meta, self.ops)
                 if index + 1 in aux_layers:
                     aux[index + 1] = x + residual if residual is not None else x
-        hidden = self.norm.forward(x, residual, self.ops)[0]
+            hidden = self.norm.forward(x, residual, self.ops)[0]
         if not aux_layers:
             return hidden, None
         return hidden, torch.cat([aux[i] for i in aux_layers], dim=-1)

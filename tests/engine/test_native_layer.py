@@ -17,6 +17,7 @@ from quickdraft.engine.models.llama import DecoderLayer, LlamaForCausalLM, Stack
 from quickdraft.kernels import (
     cbuild,
     cpu_attention,
+    cpu_fused,
     cpu_gemv,
     cpu_int4,
     cpu_layer,
@@ -343,7 +344,18 @@ def _check_stack_results_across_steps(kernel: str) -> None:
                     layer.input_layernorm.eps, attn.scale)
             x_out, r_out, aux = out
             assert torch.equal(x_out, want_x) and torch.equal(r_out, want_r)
-            kept.append([t.clone() for t in (x_out, r_out, *aux)] + [x_out, r_out, *aux])
+            # the same step with the model's final norm in the call (its K/V rewritten with
+            # the same values): the Python norm's bits on the same x and residual
+            normed = cpu_layer.run_stack_normed(stack, x, cos_sin, meta, [1, 3],
+                                                model.norm.weight, model.norm.eps)
+            assert normed is not None
+            h_out, aux_n = normed
+            want_h = cpu_fused.add_rms_norm(want_x, want_r, model.norm.weight,
+                                            model.norm.eps)[0]
+            assert torch.equal(h_out, want_h) and len(aux_n) == len(aux)
+            assert all(torch.equal(a, b) for a, b in zip(aux_n, aux, strict=True))
+            kept.append([t.clone() for t in (x_out, r_out, h_out, *aux)]
+                        + [x_out, r_out, h_out, *aux])
     for saved in kept:  # every step's results are as they were returned
         half = len(saved) // 2
         for copy, live in zip(saved[:half], saved[half:], strict=True):
