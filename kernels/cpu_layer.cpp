@@ -415,11 +415,11 @@ struct LayerStack : torch::CustomClassHolder {
                                            const at::Tensor& sin, std::vector<at::Tensor> meta,
                                            std::vector<int64_t> aux_after,
                                            const at::Tensor& norm_w, double norm_eps) {
+        check(x0.dim() == 2 && norm_w.dim() == 1 && norm_w.size(0) == x0.size(1)
+                  && norm_w.is_contiguous() && norm_w.scalar_type() == at::kBFloat16,
+              "the final norm's weight must be a contiguous bf16 [hidden] vector");
         const std::lock_guard<std::mutex> hold(step_lock);
         auto [x, residual, aux] = run_layers(x0, cos, sin, meta, aux_after);
-        check(norm_w.dim() == 1 && norm_w.size(0) == x.size(1) && norm_w.is_contiguous()
-                  && norm_w.scalar_type() == at::kBFloat16,
-              "the final norm's weight must be a contiguous bf16 [hidden] vector");
         const int small_threads = x.size(0) > par_rows ? at::get_num_threads() : 1;
         std::vector<at::Tensor> out{
             std::get<0>(add_rms_norm(x, residual, norm_w, norm_eps, small_threads))};

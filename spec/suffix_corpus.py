@@ -13,8 +13,9 @@ their acceptance apart from the request's own suffix drafts ("corpus/…").
 
 A trie of bounded depth over millions of tokens would need gigabytes, so the corpus is
 indexed by a suffix array over reversed contexts (``suffix_corpus.c``: 4 bytes a token,
-built in about a second at start-up); a lookup is a few binary searches and a small trie of
-the matched positions' continuations.
+built in about a second at start-up, plus a table of where each token's run starts); a
+lookup is that table for the context's last token, a few binary searches within its run
+for the tokens before it, and a small trie of the matched positions' continuations.
 
 File: ``suffix_corpus.u16.xz`` (xz of little-endian uint16 token ids, 0xFFFF between
 answers; ``.u32.xz`` and 0xFFFFFFFF for a vocabulary of 65,535 ids or more) and

@@ -372,6 +372,13 @@ def test_a_rejected_step_declines_the_stack_and_writes_nothing() -> None:
         out = cpu_layer.run_stack(stack, torch.randn(2, 64).bfloat16(),
                                   model.rotary.cos_sin(torch.arange(2)), meta, [1])
     assert out is None and not any(c.any() for c in caches)
+    # a final norm that does not fit the hidden size: declined before any layer runs
+    good = build_metadata([0, 2], [2], [TABLES["a"]], BLOCK)
+    with torch.inference_mode():
+        normed = cpu_layer.run_stack_normed(stack, torch.randn(2, 64).bfloat16(),
+                                            model.rotary.cos_sin(torch.arange(2)), good, [],
+                                            model.norm.weight[:32], model.norm.eps)
+    assert normed is None and not any(c.any() for c in caches)
     with pytest.raises(ValueError):
         cpu_layer.layer_stack([], caches, 4, 2, 1e-5, 0.25)
 
