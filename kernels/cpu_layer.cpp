@@ -29,6 +29,7 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -39,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_bf16.h"
 #include "cpu_layer_arena.h"
 
 namespace {
@@ -87,16 +89,18 @@ void set_cpu_kernels(int64_t rms, int64_t rope, int64_t silu, int64_t attend,
     par_rows = parallel_rows;
 }
 
-// Every helper below takes its outputs from ``arena`` (cpu_layer_arena.h) when one is given,
-// else allocates them.
+// ---- The layer's steps on tensors (the draft head's layer runs these) ---------------------
+
+at::Tensor empty_bf16(int64_t rows, int64_t cols) {
+    return at::empty({rows, cols}, at::TensorOptions().dtype(at::kBFloat16));
+}
 
 // y = norm(x (+ residual)); r = x + residual. residual undefined: r = x.
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& w, double eps, int threads,
-                                                Arena* arena = nullptr) {
+                                                const at::Tensor& w, double eps, int threads) {
     const int64_t rows = x.size(0), n = x.size(1);
-    at::Tensor y = bf16_tensor(arena, rows, n);
-    at::Tensor r = residual.defined() ? bf16_tensor(arena, rows, n) : x;
+    at::Tensor y = empty_bf16(rows, n);
+    at::Tensor r = residual.defined() ? empty_bf16(rows, n) : x;
     int rc = rms_fn(x.data_ptr(), residual.defined() ? residual.data_ptr() : nullptr,
                     w.data_ptr(), y.data_ptr(), residual.defined() ? r.data_ptr() : nullptr,
                     static_cast<int>(rows), static_cast<int>(n), static_cast<float>(eps),
@@ -113,7 +117,7 @@ struct Matrix {
     bool q4q8;
 };
 
-at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads, Arena* arena = nullptr) {
+at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
     if (!w.q4q8) return at::cpu::_weight_int4pack_mm_for_cpu(x, *w.parts[0], kGroup, *w.parts[1]);
     // [n/8, k/32, 4, 8, 4] uint8 4-bit codes or [n/8, k/32, 6, 8, 4] 6-bit ones (cpu_q4q8.c)
     const at::Tensor& codes = *w.parts[0];
@@ -122,23 +126,14 @@ at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads, Arena* arena = 
     check(fn != nullptr, "the q4q8 kernel's 6-bit or Q4_K entry point is not available");
     const int64_t rows = x.size(0), n = codes.size(0) * 8, k = codes.size(1) * kGroup;
     check(x.size(1) == k, "q4q8 weight does not fit the activations");
-    at::Tensor y = bf16_tensor(arena, rows, n);
-    at::Tensor scratch = byte_tensor(arena, rows * (k + 8 * (k / kGroup)));
+    at::Tensor y = empty_bf16(rows, n);
+    at::Tensor scratch = at::empty({rows * (k + 8 * (k / kGroup))},
+                                   at::TensorOptions().dtype(at::kByte));
     int rc = fn(x.data_ptr(), codes.data_ptr(), w.parts[1]->data_ptr(), w.parts[2]->data_ptr(),
                 y.data_ptr(), static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k),
                 threads, static_cast<int>(q4q8_flags), scratch.data_ptr());
     check(rc == 0, "q4q8 kernel rejected the shapes");
     return y;
-}
-
-// Matrices side by side (a fused qkv whose parts the file stores in different formats):
-// each part's output for the same rows, concatenated by columns as the Python layer does.
-at::Tensor mm_parts(const at::Tensor& x, const std::vector<Matrix>& parts, int threads,
-                    Arena* arena) {
-    if (parts.size() == 1) return mm(x, parts[0], threads, arena);
-    std::vector<at::Tensor> outs;
-    for (const Matrix& w : parts) outs.push_back(mm(x, w, threads, arena));
-    return at::cat(outs, 1);
 }
 
 // RoPE in place on the q and k columns of qkv [T, (H + 2 KVH) * D] (cos, sin: [T, D]).
@@ -160,7 +155,7 @@ void rope_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, in
 // attention output [T, H * D]. The kernel checks the whole step before writing anything.
 at::Tensor attend(const at::Tensor& qkv, const at::Tensor& slots, const at::Tensor& kv_cache,
                   at::TensorList meta, int64_t heads, int64_t kv_heads, double scale,
-                  int threads, Arena* arena = nullptr) {
+                  int threads) {
     const int64_t rows = qkv.size(0), width = qkv.size(1), d = width / (heads + 2 * kv_heads);
     check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
               && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
@@ -177,7 +172,7 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& slots, const at::Tens
               "tree_mask must be a contiguous int64 [rows] vector");
         tree_mask = meta[4].data_ptr<int64_t>();
     }
-    at::Tensor attn = bf16_tensor(arena, rows, heads * d);
+    at::Tensor attn = empty_bf16(rows, heads * d);
     int rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
                        kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
                        qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
@@ -191,41 +186,102 @@ at::Tensor attend(const at::Tensor& qkv, const at::Tensor& slots, const at::Tens
     return attn;
 }
 
-// RoPE, then the KV write and the attention: the attention output [T, H * D].
-at::Tensor rope_and_attend(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                           const at::Tensor& kv_cache, at::TensorList meta, int64_t heads,
-                           int64_t kv_heads, double scale, int threads, int small_threads,
-                           Arena* arena) {
-    rope_rows(qkv, cos, sin, heads, kv_heads, small_threads);
-    return attend(qkv, meta[0], kv_cache, meta, heads, kv_heads, scale, threads, arena);
-}
-
 // The MLP: mm(silu_mul(mm(h, gate_up_w)), down_w).
 at::Tensor mlp(const at::Tensor& h, const Matrix& gate_up_w, const Matrix& down_w, int threads,
-               int small_threads, Arena* arena = nullptr) {
-    at::Tensor gate_up = mm(h, gate_up_w, threads, arena);  // [T, 2 * inter]
+               int small_threads) {
+    at::Tensor gate_up = mm(h, gate_up_w, threads);  // [T, 2 * inter]
     const int64_t rows = h.size(0), inter = gate_up.size(1) / 2;
-    at::Tensor act = bf16_tensor(arena, rows, inter);
+    at::Tensor act = empty_bf16(rows, inter);
     int rc = silu_fn(gate_up.data_ptr(), act.data_ptr(), static_cast<int>(rows),
                      static_cast<int>(inter), static_cast<int>(silu_vec_block), small_threads);
     check(rc == 0, "silu_mul kernel failed");
-    return mm(act, down_w, threads, arena);
+    return mm(act, down_w, threads);
 }
 
-// weights: ln1, qkv_packed, qkv_sz, o_packed, o_sz, ln2, gate_up_packed, gate_up_sz,
-//          down_packed, down_sz[, qkv_bias]                       (ATen int4: 10 or 11)
-//      or  ln1, qkv (3 tensors, or 6: two matrices side by side), o (3), ln2, gate_up (3),
-//          down (3)[, qkv_bias]                                   (q4q8: 14, 15, 17 or 18)
-// meta: slot_mapping, block_tables, seq_lens, query_start_loc (int32, the step's metadata)
-//       [, tree_mask (int64 [T], the rows' ancestor bits; empty: every row causal)]
-// arena: where its tensors go (LayerStack's), or null: allocated (the op below); with an
-// arena the two results live there too.
-std::tuple<at::Tensor, at::Tensor> run_layer(
-        const at::Tensor& x, const std::optional<at::Tensor>& residual_opt,
-        at::TensorList weights, const at::Tensor& cos, const at::Tensor& sin,
-        const at::Tensor& kv_cache, at::TensorList meta, int64_t heads, int64_t kv_heads,
-        double eps, double scale, Arena* arena) {
-    check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
+// ---- The layer on raw buffers (what LayerStack and the decoder_layer op run) --------------
+// The same kernel calls, in the same order and with the same arguments, as the tensor
+// helpers above (head_layer's), on buffers instead of tensors: a SmolLM2 step made ~420
+// tensor headers (at::from_blob over an arena, or at::empty) for its intermediates, the
+// stack's own cost (~0.17 ms a step on the AVX2-only Zen 4 with no-op kernels).
+
+void check_activations(const at::Tensor& t, const char* name) {
+    check(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kBFloat16 && t.is_cpu(),
+          (std::string(name) + " must be a contiguous bf16 [rows, hidden] matrix").c_str());
+}
+
+// The step's metadata as the attention kernel reads it: pointers into meta's tensors,
+// checked once a step.
+struct StepMeta {
+    const int32_t* slots;      // [rows]
+    const int32_t* tables;     // [num_seqs, max_blocks]
+    const int32_t* lens;       // [num_seqs]
+    const int32_t* qsl;        // [num_seqs + 1]
+    const int64_t* tree_mask;  // [rows] or null (every row causal)
+    int num_seqs, max_blocks;
+};
+
+StepMeta step_meta(at::TensorList meta, int64_t rows) {
+    check(meta.size() == 4 || meta.size() == 5, "expected 4 or 5 metadata tensors");
+    for (size_t i = 0; i < 4; ++i)
+        check(meta[i].scalar_type() == at::kInt && meta[i].is_contiguous() && meta[i].is_cpu(),
+              "the metadata must be contiguous int32 CPU tensors");
+    check(meta[0].numel() == rows, "slot_mapping must be an int32 [rows] vector");
+    check(meta[1].dim() == 2 && meta[1].size(0) == meta[2].numel()
+              && meta[3].numel() == meta[2].numel() + 1,
+          "block_tables, seq_lens and query_start_loc do not fit one another");
+    StepMeta m{meta[0].data_ptr<int32_t>(), meta[1].data_ptr<int32_t>(),
+               meta[2].data_ptr<int32_t>(), meta[3].data_ptr<int32_t>(), nullptr,
+               static_cast<int>(meta[2].numel()), static_cast<int>(meta[1].size(1))};
+    if (meta.size() == 5 && meta[4].numel() > 0) {
+        check(meta[4].scalar_type() == at::kLong && meta[4].is_cpu()
+                  && meta[4].is_contiguous() && meta[4].numel() == rows,
+              "tree_mask must be a contiguous int64 [rows] vector");
+        m.tree_mask = meta[4].data_ptr<int64_t>();
+    }
+    return m;
+}
+
+uint16_t* take_bf16(Arena& arena, int64_t rows, int64_t cols) {
+    return static_cast<uint16_t*>(arena.raw(static_cast<size_t>(rows * cols) * 2));
+}
+
+int64_t out_features(const Matrix& w) {  // n of a matrix's [n, k]
+    return w.q4q8 ? w.parts[0]->size(0) * 8 : w.parts[0]->size(0);
+}
+
+// y [rows, n] = x [rows, k] @ w^T (mm's kernels; the scratch from the arena).
+void mm_raw(const uint16_t* x, int64_t rows, int64_t k, const Matrix& w, uint16_t* y,
+            int threads, Arena& arena) {
+    const int64_t n = out_features(w);
+    if (!w.q4q8) {  // ATen's int4 kernel takes and returns tensors
+        at::Tensor xt = at::from_blob(const_cast<uint16_t*>(x), {rows, k},
+                                      at::TensorOptions().dtype(at::kBFloat16));
+        at::Tensor yt = at::cpu::_weight_int4pack_mm_for_cpu(xt, *w.parts[0], kGroup,
+                                                             *w.parts[1]);
+        check(yt.is_contiguous() && yt.size(1) == n, "int4 matmul output shape");
+        std::memcpy(y, yt.data_ptr(), static_cast<size_t>(rows * n) * 2);
+        return;
+    }
+    const at::Tensor& codes = *w.parts[0];
+    const at::ScalarType second = w.parts[1]->scalar_type();
+    const Q4Q8Fn fn = second == at::kChar ? q6q8_fn : second == at::kByte ? q4kq8_fn : q4q8_fn;
+    check(fn != nullptr, "the q4q8 kernel's 6-bit or Q4_K entry point is not available");
+    check(codes.size(1) * kGroup == k, "q4q8 weight does not fit the activations");
+    void* scratch = arena.raw(static_cast<size_t>(rows * (k + 8 * (k / kGroup))));
+    int rc = fn(x, codes.data_ptr(), w.parts[1]->data_ptr(), w.parts[2]->data_ptr(), y,
+                static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), threads,
+                static_cast<int>(q4q8_flags), scratch);
+    check(rc == 0, "q4q8 kernel rejected the shapes");
+}
+
+// The layer's sizes and weights, read from its weight list once a call.
+struct LayerWeights {
+    std::vector<Matrix> qkv;  // one matrix, or parts side by side
+    Matrix o, gate_up, down;
+    const at::Tensor *ln1, *ln2, *qkv_bias;  // qkv_bias null without one
+};
+
+LayerWeights layer_weights(at::TensorList weights) {
     const size_t nw = weights.size();
     check(nw == 10 || nw == 11 || nw == 14 || nw == 15 || nw == 17 || nw == 18,
           "expected 10, 11, 14, 15, 17 or 18 weights");
@@ -236,39 +292,137 @@ std::tuple<at::Tensor, at::Tensor> run_layer(
     auto matrix = [&](size_t first) {
         return Matrix{{&weights[first], &weights[first + 1], &weights[first + per - 1]}, q4q8};
     };
-    std::vector<Matrix> qkv_w;
-    for (size_t p = 0; p < qkv_parts; ++p) qkv_w.push_back(matrix(1 + p * per));
+    LayerWeights lw;
+    for (size_t p = 0; p < qkv_parts; ++p) lw.qkv.push_back(matrix(1 + p * per));
     const size_t o_at = 1 + qkv_parts * per;  // then o, ln2, gate_up, down[, qkv_bias]
-    const Matrix o_w = matrix(o_at), gate_up_w = matrix(o_at + per + 1),
-                 down_w = matrix(o_at + 2 * per + 1);
-    const at::Tensor& ln2 = weights[o_at + per];
-    const bool has_bias = nw == o_at + 3 * per + 2;
-    check(meta.size() == 4 || meta.size() == 5, "expected 4 or 5 metadata tensors");
-    check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-          "x must be a contiguous bf16 [rows, hidden] matrix");
-    const at::Tensor residual = residual_opt.has_value() ? *residual_opt : at::Tensor();
-    const int64_t rows = x.size(0);
-    const int threads = at::get_num_threads();
-    const int small_threads = rows > par_rows ? threads : 1;
-
-    auto [h, r] = add_rms_norm(x, residual, weights[0], eps, small_threads, arena);
-    at::Tensor qkv = mm_parts(h, qkv_w, threads, arena);  // [T, (H + 2 KVH) * D]
-    if (has_bias) qkv.add_(weights[nw - 1]);
-    at::Tensor attn = rope_and_attend(qkv, cos, sin, kv_cache, meta, heads, kv_heads, scale,
-                                      threads, small_threads, arena);
-    at::Tensor o = mm(attn, o_w, threads, arena);
-    auto [h2, r2] = add_rms_norm(o, r, ln2, eps, small_threads, arena);
-    return {mlp(h2, gate_up_w, down_w, threads, small_threads, arena), r2};
+    lw.o = matrix(o_at);
+    lw.gate_up = matrix(o_at + per + 1);
+    lw.down = matrix(o_at + 2 * per + 1);
+    lw.ln1 = &weights[0];
+    lw.ln2 = &weights[o_at + per];
+    lw.qkv_bias = nw == o_at + 3 * per + 2 ? &weights[nw - 1] : nullptr;
+    return lw;
 }
 
-// The op: one layer, its tensors allocated.
+// One decoder layer on buffers: y, r_out [rows, hidden] (r_out = x + residual; x itself
+// when residual is null) from x [rows, hidden]; its intermediates from ``arena``.
+// cos, sin: [rows, head_dim] bf16 (contiguous).
+void run_layer_raw(const uint16_t* x, const uint16_t* residual, int64_t rows, int64_t hidden,
+                   uint16_t* y, uint16_t* r_out, at::TensorList weights, const at::Tensor& cos,
+                   const at::Tensor& sin, const at::Tensor& kv_cache, const StepMeta& meta,
+                   int64_t heads, int64_t kv_heads, double eps, double scale, Arena& arena) {
+    check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
+    const LayerWeights lw = layer_weights(weights);
+    const int threads = at::get_num_threads();
+    const int small_threads = rows > par_rows ? threads : 1;
+    const int r = static_cast<int>(rows);
+
+    // h, r = add_rms_norm(x, residual, ln1)
+    uint16_t* h = take_bf16(arena, rows, hidden);
+    check(rms_fn(x, residual, lw.ln1->data_ptr(), h, residual ? r_out : nullptr, r,
+                 static_cast<int>(hidden), static_cast<float>(eps), small_threads) == 0,
+          "rms_norm kernel failed");
+    const uint16_t* res = residual ? r_out : x;
+
+    // qkv = mm(h, qkv_w) (+ bias), parts side by side
+    int64_t width = 0;
+    for (const Matrix& w : lw.qkv) width += out_features(w);
+    const int64_t d = width / (heads + 2 * kv_heads);
+    check(d * (heads + 2 * kv_heads) == width, "qkv width does not fit the heads");
+    uint16_t* qkv = take_bf16(arena, rows, width);
+    if (lw.qkv.size() == 1) {
+        mm_raw(h, rows, hidden, lw.qkv[0], qkv, threads, arena);
+    } else {
+        int64_t at = 0;
+        for (const Matrix& w : lw.qkv) {
+            const int64_t n = out_features(w);
+            uint16_t* part = take_bf16(arena, rows, n);
+            mm_raw(h, rows, hidden, w, part, threads, arena);
+            for (int64_t i = 0; i < rows; ++i)
+                std::memcpy(qkv + i * width + at, part + i * n, static_cast<size_t>(n) * 2);
+            at += n;
+        }
+    }
+    if (lw.qkv_bias) {  // as torch's bf16 add: the fp32 sum rounded to bf16
+        check(lw.qkv_bias->numel() == width && lw.qkv_bias->scalar_type() == at::kBFloat16
+                  && lw.qkv_bias->is_contiguous(),
+              "qkv bias must be a contiguous bf16 [width] vector");
+        const auto* b = static_cast<const uint16_t*>(lw.qkv_bias->data_ptr());
+        for (int64_t i = 0; i < rows; ++i)
+            for (int64_t j = 0; j < width; ++j)
+                qkv[i * width + j] =
+                    f32_to_bf16(bf16_to_f32(qkv[i * width + j]) + bf16_to_f32(b[j]));
+    }
+
+    // RoPE on q and k, then the KV write and the attention
+    check(cos.numel() == rows * d && sin.numel() == rows * d && cos.is_contiguous()
+              && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16
+              && sin.scalar_type() == at::kBFloat16,
+          "qkv width or rope tables do not fit the heads");
+    check(rope_fn(qkv, cos.data_ptr(), sin.data_ptr(), r, static_cast<int>(heads + kv_heads),
+                  static_cast<int>(d), width, d, small_threads) == 0,
+          "rope kernel failed");
+    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
+              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
+          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
+    uint16_t* attn = take_bf16(arena, rows, heads * d);
+    check(attend_fn(qkv, static_cast<int>(width), meta.slots, kv_cache.data_ptr(), meta.tables,
+                    meta.lens, meta.qsl, meta.tree_mask, attn, meta.num_seqs, r,
+                    static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(d),
+                    static_cast<int>(kv_cache.size(2)), static_cast<int>(kv_cache.size(1)),
+                    meta.max_blocks, static_cast<float>(scale),
+                    rows * kv_heads >= 2 ? threads : 1) == 0,  // as cpu_attention.py
+          "attention kernel rejected the step (bad slot, block id, layout or mask)");
+
+    // o = mm(attn, o_w); h2, r_out = add_rms_norm(o, r, ln2)
+    const int64_t o_n = out_features(lw.o);
+    check(o_n == hidden, "o's output does not fit the hidden size");
+    uint16_t* o = take_bf16(arena, rows, hidden);
+    mm_raw(attn, rows, heads * d, lw.o, o, threads, arena);
+    uint16_t* h2 = take_bf16(arena, rows, hidden);
+    check(rms_fn(o, res, lw.ln2->data_ptr(), h2, r_out, r, static_cast<int>(hidden),
+                 static_cast<float>(eps), small_threads) == 0,
+          "rms_norm kernel failed");
+
+    // y = mm(silu_mul(mm(h2, gate_up_w)), down_w)
+    const int64_t gu = out_features(lw.gate_up), inter = gu / 2;
+    uint16_t* gate_up = take_bf16(arena, rows, gu);
+    mm_raw(h2, rows, hidden, lw.gate_up, gate_up, threads, arena);
+    uint16_t* act = take_bf16(arena, rows, inter);
+    check(silu_fn(gate_up, act, r, static_cast<int>(inter), static_cast<int>(silu_vec_block),
+                  small_threads) == 0,
+          "silu_mul kernel failed");
+    check(out_features(lw.down) == hidden, "down's output does not fit the hidden size");
+    mm_raw(act, rows, inter, lw.down, y, threads, arena);
+}
+
+// The op: one layer, its results allocated (its intermediates in an arena of its own).
+// weights: ln1, qkv_packed, qkv_sz, o_packed, o_sz, ln2, gate_up_packed, gate_up_sz,
+//          down_packed, down_sz[, qkv_bias]                       (ATen int4: 10 or 11)
+//      or  ln1, qkv (3 tensors, or 6: two matrices side by side), o (3), ln2, gate_up (3),
+//          down (3)[, qkv_bias]                                   (q4q8: 14, 15, 17 or 18)
+// meta: slot_mapping, block_tables, seq_lens, query_start_loc (int32, the step's metadata)
+//       [, tree_mask (int64 [T], the rows' ancestor bits; empty: every row causal)]
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
         const at::Tensor& x, const std::optional<at::Tensor>& residual_opt,
         at::TensorList weights, const at::Tensor& cos, const at::Tensor& sin,
         const at::Tensor& kv_cache, at::TensorList meta, int64_t heads, int64_t kv_heads,
         double eps, double scale) {
-    return run_layer(x, residual_opt, weights, cos, sin, kv_cache, meta, heads, kv_heads, eps,
-                     scale, nullptr);
+    check_activations(x, "x");
+    const int64_t rows = x.size(0), hidden = x.size(1);
+    const uint16_t* residual = nullptr;
+    if (residual_opt.has_value()) {
+        check_activations(*residual_opt, "residual");
+        check(residual_opt->sizes() == x.sizes(), "residual and x differ in shape");
+        residual = static_cast<const uint16_t*>(residual_opt->data_ptr());
+    }
+    at::Tensor y = empty_bf16(rows, hidden), r = empty_bf16(rows, hidden);
+    Arena arena;
+    run_layer_raw(static_cast<const uint16_t*>(x.data_ptr()), residual, rows, hidden,
+                  static_cast<uint16_t*>(y.data_ptr()), static_cast<uint16_t*>(r.data_ptr()),
+                  weights, cos, sin, kv_cache, step_meta(meta, rows), heads, kv_heads, eps,
+                  scale, arena);
+    return {y, r};
 }
 
 // The draft head's one layer (spec/draft_head.py: layer_input, attention, finish_layer), in
@@ -335,7 +489,7 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
                   "rows must be increasing indices of the step's rows");
         const int64_t width = qkv.size(1);
         // [T, width]: zero but the listed rows
-        at::Tensor full = bf16_tensor(nullptr, total, width);
+        at::Tensor full = empty_bf16(total, width);
         std::memset(full.data_ptr(), 0, static_cast<size_t>(total * width) * 2);
         at::Tensor written = at::empty({total}, slots.options());  // their slots, else -1
         const int32_t* from = slots.data_ptr<int32_t>();
@@ -349,7 +503,7 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
         }
         at::Tensor all = attend(full, written, kv_cache, meta, heads, kv_heads, scale, threads);
         const int64_t hd = all.size(1);
-        attn = bf16_tensor(nullptr, rows, hd);  // [r, H * D]
+        attn = empty_bf16(rows, hd);  // [r, H * D]
         const auto* a_src = static_cast<const uint16_t*>(all.data_ptr());
         auto* a_dst = static_cast<uint16_t*>(attn.data_ptr());
         for (int64_t i = 0; i < rows; i++)
@@ -399,12 +553,13 @@ struct LayerStack : torch::CustomClassHolder {
                                     const at::Tensor& sin, std::vector<at::Tensor> meta,
                                     std::vector<int64_t> aux_after) {
         const std::lock_guard<std::mutex> hold(step_lock);
-        auto [x, residual, aux] = run_layers(x0, cos, sin, meta, aux_after);
+        const Layers out = run_layers(x0, cos, sin, meta, aux_after);
         // the arenas' memory is reused by the next step: the results leave as copies
-        std::vector<at::Tensor> out{x.clone(), residual.defined() ? residual.clone() : x};
+        std::vector<at::Tensor> results{copy_out(out.x, x0), out.residual != nullptr
+                                        ? copy_out(out.residual, x0) : x0};
         for (Arena& arena : arenas) arena.release_above(kArenaKeepBytes);
-        out.insert(out.end(), aux.begin(), aux.end());
-        return out;
+        results.insert(results.end(), out.aux.begin(), out.aux.end());
+        return results;
     }
 
     // [norm(x + residual) with the model's final norm (norm_w, norm_eps), then the aux
@@ -415,47 +570,73 @@ struct LayerStack : torch::CustomClassHolder {
                                            const at::Tensor& sin, std::vector<at::Tensor> meta,
                                            std::vector<int64_t> aux_after,
                                            const at::Tensor& norm_w, double norm_eps) {
-        check(x0.dim() == 2 && norm_w.dim() == 1 && norm_w.size(0) == x0.size(1)
-                  && norm_w.is_contiguous() && norm_w.scalar_type() == at::kBFloat16,
+        check_activations(x0, "x");
+        check(norm_w.dim() == 1 && norm_w.size(0) == x0.size(1) && norm_w.is_contiguous()
+                  && norm_w.scalar_type() == at::kBFloat16,
               "the final norm's weight must be a contiguous bf16 [hidden] vector");
         const std::lock_guard<std::mutex> hold(step_lock);
-        auto [x, residual, aux] = run_layers(x0, cos, sin, meta, aux_after);
-        const int small_threads = x.size(0) > par_rows ? at::get_num_threads() : 1;
-        std::vector<at::Tensor> out{
-            std::get<0>(add_rms_norm(x, residual, norm_w, norm_eps, small_threads))};
+        const Layers out = run_layers(x0, cos, sin, meta, aux_after);
+        const int64_t rows = x0.size(0), hidden = x0.size(1);
+        at::Tensor normed = empty_bf16(rows, hidden);
+        // x + residual is written too (the kernel's contract), to the last layer's arena
+        uint16_t* sum = out.residual != nullptr
+            ? take_bf16(arenas[(weights.size() + 1) % 2], rows, hidden) : nullptr;
+        check(rms_fn(out.x, out.residual, norm_w.data_ptr(), normed.data_ptr(), sum,
+                     static_cast<int>(rows), static_cast<int>(hidden),
+                     static_cast<float>(norm_eps),
+                     rows > par_rows ? at::get_num_threads() : 1) == 0,
+              "rms_norm kernel failed");
         for (Arena& arena : arenas) arena.release_above(kArenaKeepBytes);
-        out.insert(out.end(), aux.begin(), aux.end());
-        return out;
+        std::vector<at::Tensor> results{normed};
+        results.insert(results.end(), out.aux.begin(), out.aux.end());
+        return results;
     }
 
   private:
-    // Every layer in turn: (x, residual, aux) with x and residual in the arenas (valid until
-    // the next step's layers reset them). The caller holds step_lock.
-    std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> run_layers(
-            const at::Tensor& x0, const at::Tensor& cos, const at::Tensor& sin,
-            const std::vector<at::Tensor>& meta, const std::vector<int64_t>& aux_after) {
+    struct Layers {
+        const uint16_t* x;         // [rows, hidden], in an arena (or x0's, without layers)
+        const uint16_t* residual;  // likewise, or null without layers
+        std::vector<at::Tensor> aux;
+    };
+
+    static at::Tensor copy_out(const uint16_t* p, const at::Tensor& like) {
+        at::Tensor t = empty_bf16(like.size(0), like.size(1));
+        std::memcpy(t.data_ptr(), p, static_cast<size_t>(like.numel()) * 2);
+        return t;
+    }
+
+    // Every layer in turn; x and residual stay in the arenas (valid until the next step's
+    // layers reset them), the aux streams are allocated. The caller holds step_lock.
+    Layers run_layers(const at::Tensor& x0, const at::Tensor& cos, const at::Tensor& sin,
+                      const std::vector<at::Tensor>& meta, const std::vector<int64_t>& aux_after) {
         for (size_t i = 0; i < aux_after.size(); ++i)
             check(aux_after[i] >= 1 && aux_after[i] <= static_cast<int64_t>(weights.size())
                       && (i == 0 || aux_after[i] > aux_after[i - 1]),
                   "aux_after must be ascending layer counts in 1..L");
-        at::Tensor x = x0;
-        std::optional<at::Tensor> residual;
-        std::vector<at::Tensor> aux;
+        check_activations(x0, "x");
+        const int64_t rows = x0.size(0), hidden = x0.size(1);
+        const StepMeta step = step_meta(meta, rows);
+        Layers out{static_cast<const uint16_t*>(x0.data_ptr()), nullptr, {}};
+        const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
         size_t next = 0;
         for (size_t l = 0; l < weights.size(); ++l) {
-            // layer l - 2's tensors, the last in this arena, are dead: l - 1 read them
+            // layer l - 2's buffers, the last in this arena, are dead: l - 1 read them
             Arena& arena = arenas[l % 2];
             arena.reset();
-            auto [y, r] = run_layer(x, residual, weights[l], cos, sin, kv_caches[l], meta,
-                                    heads, kv_heads, eps, scale, &arena);
-            x = y;
-            residual = r;
+            uint16_t* y = take_bf16(arena, rows, hidden);
+            uint16_t* r = take_bf16(arena, rows, hidden);
+            run_layer_raw(out.x, out.residual, rows, hidden, y, r, weights[l], cos, sin,
+                          kv_caches[l], step, heads, kv_heads, eps, scale, arena);
+            out.x = y;
+            out.residual = r;
             while (next < aux_after.size() && aux_after[next] == static_cast<int64_t>(l + 1)) {
-                aux.push_back(at::add(x, r));  // allocated: it outlives the step
+                // allocated: it outlives the step
+                out.aux.push_back(at::add(at::from_blob(y, {rows, hidden}, bf16),
+                                          at::from_blob(r, {rows, hidden}, bf16)));
                 ++next;
             }
         }
-        return {x, residual.has_value() ? *residual : at::Tensor(), aux};
+        return out;
     }
 };
 

@@ -1,13 +1,14 @@
-// Memory for a LayerStack step's intermediate tensors, kept from step to step.
+// Memory for a LayerStack step's intermediate buffers, kept from step to step.
 //
-// A decoder layer makes ~14 tensors (norm outputs, each matmul's output and its int8
-// scratch, the attention output, SiLU·up): 420 allocations and frees a SmolLM2 step, each
-// through posix_memalign (glibc's slow path) and a TensorImpl. On the 2-core AVX2-only EPYC
-// that was ~0.2 ms of a ~5 ms 1-row decode step on the calling thread, while the other
-// thread waits at the next barrier; prefill chunks' larger buffers also went to mmap and
-// came back as zeroed pages each step. LayerStack::forward instead carves them out of two
-// arenas, one for even layers and one for odd (a layer reads the previous layer's outputs,
-// so those must live until it is done), and copies only its results out.
+// A decoder layer makes ~14 buffers (norm outputs, each matmul's output and its int8
+// scratch, the attention output, SiLU·up): 420 a SmolLM2 step. Allocated as tensors, each
+// went through posix_memalign (glibc's slow path) and a TensorImpl: on the 2-core AVX2-only
+// EPYC ~0.2 ms of a ~5 ms 1-row decode step on the calling thread, while the other thread
+// waits at the next barrier; prefill chunks' larger buffers also went to mmap and came back
+// as zeroed pages each step. LayerStack instead carves them out of two arenas as raw memory
+// (no tensor headers either), one for even layers and one for odd (a layer reads the
+// previous layer's outputs, so those must live until it is done), and copies only its
+// results out.
 //
 // Included once, by cpu_layer.cpp (kernels/cbuild.py expands it into the one source it
 // builds).
@@ -16,7 +17,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -27,17 +27,9 @@ namespace {
 
 class Arena {
   public:
-    // A bf16 [rows, cols] / uint8 [n] tensor over the arena's memory: only the tensor's
-    // header is allocated. Valid until the next reset(); the tensor does not keep the
-    // memory alive, so nothing taken here may be returned to the caller of the step.
-    at::Tensor bf16(int64_t rows, int64_t cols) {
-        void* p = take(static_cast<size_t>(rows * cols) * 2);
-        return at::from_blob(p, {rows, cols}, at::TensorOptions().dtype(at::kBFloat16));
-    }
-    at::Tensor bytes(int64_t n) {
-        return at::from_blob(take(static_cast<size_t>(n)), {n},
-                             at::TensorOptions().dtype(at::kByte));
-    }
+    // ``bytes`` of the arena's memory, 64-byte aligned. Valid until the next reset(); nothing
+    // taken here may be returned to the caller of the step.
+    void* raw(size_t bytes) { return take(bytes); }
 
     // Everything taken so far may be overwritten. If the last round needed more than one
     // chunk, they become one chunk as large as all of them (no tensor may still point
@@ -90,18 +82,6 @@ class Arena {
     std::vector<at::Tensor> chunks_;  // uint8; only the last one has room left
     size_t off_ = 0;                  // bytes taken from the last chunk
 };
-
-// A bf16 [rows, cols] tensor from ``arena``, or a fresh one without an arena.
-at::Tensor bf16_tensor(Arena* arena, int64_t rows, int64_t cols) {
-    if (arena != nullptr) return arena->bf16(rows, cols);
-    return at::empty({rows, cols}, at::TensorOptions().dtype(at::kBFloat16));
-}
-
-// A uint8 [n] tensor from ``arena``, or a fresh one without an arena.
-at::Tensor byte_tensor(Arena* arena, int64_t n) {
-    if (arena != nullptr) return arena->bytes(n);
-    return at::empty({n}, at::TensorOptions().dtype(at::kByte));
-}
 
 }  // namespace
 
