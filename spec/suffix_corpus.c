@@ -41,8 +41,9 @@ typedef struct {
     /* the runs of one context token: the starts whose context begins with token t are
      * pos[first[t + 1] .. first[t + 2]) (t = SEP: a context that has ended), for t up to
      * ntok - 2; the first level of every look-up without a binary search over all starts,
-     * whose ~45 dependent probes into two arrays of 20 MB each were most of a look-up's
-     * time once a model step had evicted them (~90 us of ~110 us on the AVX2-only Zen 4) */
+     * whose ~45 dependent probes into two arrays of 20 MB each cost the most once a model
+     * step had evicted them (the native look-up 67 -> 53 us median with the table on the
+     * AVX2-only Zen 4, 5 M tokens) */
     int64_t* first;
     int64_t ntok;
 } Corpus;
@@ -175,7 +176,7 @@ static int64_t narrow(const Corpus* c, int d, int32_t q, int64_t* lo, int64_t* h
         if (cmp_token(c, c->pos[mid], d, q) < 0) a = mid + 1; else b = mid;
     }
     int64_t e = a, f = *hi;
-    while (e < f) {
+    while (e < f) { /* first with token > q */
         const int64_t mid = e + (f - e) / 2;
         if (cmp_token(c, c->pos[mid], d, q) <= 0) e = mid + 1; else f = mid;
     }
