@@ -89,120 +89,20 @@ void set_cpu_kernels(int64_t rms, int64_t rope, int64_t silu, int64_t attend,
     par_rows = parallel_rows;
 }
 
-// ---- The layer's steps on tensors (the draft head's layer runs these) ---------------------
+// ---- The layer's steps -----------------------------------------------------------------
+// Each kernel call is written once, on raw buffers (what LayerStack and the decoder_layer
+// op run: a SmolLM2 step used to make ~420 tensor headers for its intermediates, the
+// stack's own ~0.17 ms a step on the AVX2-only Zen 4); the draft head's layer calls the
+// same functions through thin tensor wrappers.
 
 at::Tensor empty_bf16(int64_t rows, int64_t cols) {
     return at::empty({rows, cols}, at::TensorOptions().dtype(at::kBFloat16));
 }
 
-// y = norm(x (+ residual)); r = x + residual. residual undefined: r = x.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& w, double eps, int threads) {
-    const int64_t rows = x.size(0), n = x.size(1);
-    at::Tensor y = empty_bf16(rows, n);
-    at::Tensor r = residual.defined() ? empty_bf16(rows, n) : x;
-    int rc = rms_fn(x.data_ptr(), residual.defined() ? residual.data_ptr() : nullptr,
-                    w.data_ptr(), y.data_ptr(), residual.defined() ? r.data_ptr() : nullptr,
-                    static_cast<int>(rows), static_cast<int>(n), static_cast<float>(eps),
-                    threads);
-    check(rc == 0, "rms_norm kernel failed");
-    return {y, r};
+template <typename T>
+T* ptr(const at::Tensor& t) {
+    return static_cast<T*>(t.data_ptr());
 }
-
-// One matrix: (packed, scales_and_zeros) for ATen's kernel; (codes, d, m) for q4q8's 4-bit
-// loop, (codes, sc, d) for its 6-bit one or (codes, sm, dd) for its Q4_K one, told apart by
-// the second tensor's dtype (fp16, int8, uint8).
-struct Matrix {
-    const at::Tensor* parts[3];
-    bool q4q8;
-};
-
-at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
-    if (!w.q4q8) return at::cpu::_weight_int4pack_mm_for_cpu(x, *w.parts[0], kGroup, *w.parts[1]);
-    // [n/8, k/32, 4, 8, 4] uint8 4-bit codes or [n/8, k/32, 6, 8, 4] 6-bit ones (cpu_q4q8.c)
-    const at::Tensor& codes = *w.parts[0];
-    const at::ScalarType second = w.parts[1]->scalar_type();
-    const Q4Q8Fn fn = second == at::kChar ? q6q8_fn : second == at::kByte ? q4kq8_fn : q4q8_fn;
-    check(fn != nullptr, "the q4q8 kernel's 6-bit or Q4_K entry point is not available");
-    const int64_t rows = x.size(0), n = codes.size(0) * 8, k = codes.size(1) * kGroup;
-    check(x.size(1) == k, "q4q8 weight does not fit the activations");
-    at::Tensor y = empty_bf16(rows, n);
-    at::Tensor scratch = at::empty({rows * (k + 8 * (k / kGroup))},
-                                   at::TensorOptions().dtype(at::kByte));
-    int rc = fn(x.data_ptr(), codes.data_ptr(), w.parts[1]->data_ptr(), w.parts[2]->data_ptr(),
-                y.data_ptr(), static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k),
-                threads, static_cast<int>(q4q8_flags), scratch.data_ptr());
-    check(rc == 0, "q4q8 kernel rejected the shapes");
-    return y;
-}
-
-// RoPE in place on the q and k columns of qkv [T, (H + 2 KVH) * D] (cos, sin: [T, D]).
-void rope_rows(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-               int64_t kv_heads, int small_threads) {
-    const int64_t rows = qkv.size(0), width = qkv.size(1), d = width / (heads + 2 * kv_heads);
-    check(d * (heads + 2 * kv_heads) == width && cos.numel() == rows * d
-              && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous()
-              && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
-          "qkv width or rope tables do not fit the heads");
-    int rc = rope_fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), static_cast<int>(rows),
-                     static_cast<int>(heads + kv_heads), static_cast<int>(d), width, d,
-                     small_threads);
-    check(rc == 0, "rope kernel failed");
-}
-
-// The KV write (at ``slots``: the metadata's slot_mapping, or a copy of it) and the attention
-// over the paged cache for every row of the rotated qkv [T, (H + 2 KVH) * D]: returns the
-// attention output [T, H * D]. The kernel checks the whole step before writing anything.
-at::Tensor attend(const at::Tensor& qkv, const at::Tensor& slots, const at::Tensor& kv_cache,
-                  at::TensorList meta, int64_t heads, int64_t kv_heads, double scale,
-                  int threads) {
-    const int64_t rows = qkv.size(0), width = qkv.size(1), d = width / (heads + 2 * kv_heads);
-    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
-              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
-          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
-    check(slots.numel() == rows && slots.scalar_type() == at::kInt && slots.is_contiguous(),
-          "slot_mapping must be an int32 [rows] vector");
-    const at::Tensor& tables = meta[1];
-    const at::Tensor& lens = meta[2];
-    const at::Tensor& qsl = meta[3];
-    const int64_t* tree_mask = nullptr;
-    if (meta.size() == 5 && meta[4].numel() > 0) {
-        check(meta[4].scalar_type() == at::kLong && meta[4].is_cpu()
-                  && meta[4].is_contiguous() && meta[4].numel() == rows,
-              "tree_mask must be a contiguous int64 [rows] vector");
-        tree_mask = meta[4].data_ptr<int64_t>();
-    }
-    at::Tensor attn = empty_bf16(rows, heads * d);
-    int rc = attend_fn(qkv.data_ptr(), static_cast<int>(width), slots.data_ptr<int32_t>(),
-                       kv_cache.data_ptr(), tables.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                       qsl.data_ptr<int32_t>(), tree_mask, attn.data_ptr(),
-                       static_cast<int>(lens.size(0)), static_cast<int>(rows),
-                       static_cast<int>(heads), static_cast<int>(kv_heads),
-                       static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
-                       static_cast<int>(kv_cache.size(1)), static_cast<int>(tables.size(1)),
-                       static_cast<float>(scale),
-                       rows * kv_heads >= 2 ? threads : 1);  // as cpu_attention.py
-    check(rc == 0, "attention kernel rejected the step (bad slot, block id, layout or mask)");
-    return attn;
-}
-
-// The MLP: mm(silu_mul(mm(h, gate_up_w)), down_w).
-at::Tensor mlp(const at::Tensor& h, const Matrix& gate_up_w, const Matrix& down_w, int threads,
-               int small_threads) {
-    at::Tensor gate_up = mm(h, gate_up_w, threads);  // [T, 2 * inter]
-    const int64_t rows = h.size(0), inter = gate_up.size(1) / 2;
-    at::Tensor act = empty_bf16(rows, inter);
-    int rc = silu_fn(gate_up.data_ptr(), act.data_ptr(), static_cast<int>(rows),
-                     static_cast<int>(inter), static_cast<int>(silu_vec_block), small_threads);
-    check(rc == 0, "silu_mul kernel failed");
-    return mm(act, down_w, threads);
-}
-
-// ---- The layer on raw buffers (what LayerStack and the decoder_layer op run) --------------
-// The same kernel calls, in the same order and with the same arguments, as the tensor
-// helpers above (head_layer's), on buffers instead of tensors: a SmolLM2 step made ~420
-// tensor headers (at::from_blob over an arena, or at::empty) for its intermediates, the
-// stack's own cost (~0.17 ms a step on the AVX2-only Zen 4 with no-op kernels).
 
 void check_activations(const at::Tensor& t, const char* name) {
     check(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == at::kBFloat16 && t.is_cpu(),
@@ -220,6 +120,8 @@ struct StepMeta {
     int num_seqs, max_blocks;
 };
 
+// meta: slot_mapping, block_tables, seq_lens, query_start_loc (int32, the step's metadata)
+//       [, tree_mask (int64 [rows], the rows' ancestor bits; empty: every row causal)]
 StepMeta step_meta(at::TensorList meta, int64_t rows) {
     check(meta.size() == 4 || meta.size() == 5, "expected 4 or 5 metadata tensors");
     for (size_t i = 0; i < 4; ++i)
@@ -229,14 +131,14 @@ StepMeta step_meta(at::TensorList meta, int64_t rows) {
     check(meta[1].dim() == 2 && meta[1].size(0) == meta[2].numel()
               && meta[3].numel() == meta[2].numel() + 1,
           "block_tables, seq_lens and query_start_loc do not fit one another");
-    StepMeta m{meta[0].data_ptr<int32_t>(), meta[1].data_ptr<int32_t>(),
-               meta[2].data_ptr<int32_t>(), meta[3].data_ptr<int32_t>(), nullptr,
+    StepMeta m{ptr<const int32_t>(meta[0]), ptr<const int32_t>(meta[1]),
+               ptr<const int32_t>(meta[2]), ptr<const int32_t>(meta[3]), nullptr,
                static_cast<int>(meta[2].numel()), static_cast<int>(meta[1].size(1))};
     if (meta.size() == 5 && meta[4].numel() > 0) {
         check(meta[4].scalar_type() == at::kLong && meta[4].is_cpu()
                   && meta[4].is_contiguous() && meta[4].numel() == rows,
               "tree_mask must be a contiguous int64 [rows] vector");
-        m.tree_mask = meta[4].data_ptr<int64_t>();
+        m.tree_mask = ptr<const int64_t>(meta[4]);
     }
     return m;
 }
@@ -245,36 +147,157 @@ uint16_t* take_bf16(Arena& arena, int64_t rows, int64_t cols) {
     return static_cast<uint16_t*>(arena.raw(static_cast<size_t>(rows * cols) * 2));
 }
 
+// y = norm(x (+ residual)) into y; with a residual, x + residual into r_out.
+void rms_raw(const uint16_t* x, const uint16_t* residual, const at::Tensor& w, uint16_t* y,
+             uint16_t* r_out, int64_t rows, int64_t n, double eps, int threads) {
+    check(rms_fn(x, residual, w.data_ptr(), y, residual ? r_out : nullptr,
+                 static_cast<int>(rows), static_cast<int>(n), static_cast<float>(eps),
+                 threads) == 0,
+          "rms_norm kernel failed");
+}
+
+// One matrix: (packed, scales_and_zeros) for ATen's kernel; (codes, d, m) for q4q8's 4-bit
+// loop, (codes, sc, d) for its 6-bit one or (codes, sm, dd) for its Q4_K one, told apart by
+// the second tensor's dtype (fp16, int8, uint8).
+struct Matrix {
+    const at::Tensor* parts[3];
+    bool q4q8;
+};
+
 int64_t out_features(const Matrix& w) {  // n of a matrix's [n, k]
     return w.q4q8 ? w.parts[0]->size(0) * 8 : w.parts[0]->size(0);
 }
 
-// y [rows, n] = x [rows, k] @ w^T (mm's kernels; the scratch from the arena).
-void mm_raw(const uint16_t* x, int64_t rows, int64_t k, const Matrix& w, uint16_t* y,
-            int threads, Arena& arena) {
-    const int64_t n = out_features(w);
-    if (!w.q4q8) {  // ATen's int4 kernel takes and returns tensors
-        at::Tensor xt = at::from_blob(const_cast<uint16_t*>(x), {rows, k},
-                                      at::TensorOptions().dtype(at::kBFloat16));
-        at::Tensor yt = at::cpu::_weight_int4pack_mm_for_cpu(xt, *w.parts[0], kGroup,
-                                                             *w.parts[1]);
-        check(yt.is_contiguous() && yt.size(1) == n, "int4 matmul output shape");
-        std::memcpy(y, yt.data_ptr(), static_cast<size_t>(rows * n) * 2);
-        return;
-    }
+size_t q4q8_scratch_bytes(int64_t rows, int64_t k) {  // the int8 rows, their scales and sums
+    return static_cast<size_t>(rows * (k + 8 * (k / kGroup)));
+}
+
+// y [rows, n] = x [rows, k] @ w^T on q4q8's loop for the matrix's format.
+void q4q8_mm(const uint16_t* x, int64_t rows, int64_t k, const Matrix& w, uint16_t* y,
+             int threads, void* scratch) {
+    // [n/8, k/32, 4, 8, 4] uint8 4-bit codes or [n/8, k/32, 6, 8, 4] 6-bit ones (cpu_q4q8.c)
     const at::Tensor& codes = *w.parts[0];
     const at::ScalarType second = w.parts[1]->scalar_type();
     const Q4Q8Fn fn = second == at::kChar ? q6q8_fn : second == at::kByte ? q4kq8_fn : q4q8_fn;
     check(fn != nullptr, "the q4q8 kernel's 6-bit or Q4_K entry point is not available");
     check(codes.size(1) * kGroup == k, "q4q8 weight does not fit the activations");
-    void* scratch = arena.raw(static_cast<size_t>(rows * (k + 8 * (k / kGroup))));
-    int rc = fn(x, codes.data_ptr(), w.parts[1]->data_ptr(), w.parts[2]->data_ptr(), y,
-                static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), threads,
-                static_cast<int>(q4q8_flags), scratch);
-    check(rc == 0, "q4q8 kernel rejected the shapes");
+    check(fn(x, codes.data_ptr(), w.parts[1]->data_ptr(), w.parts[2]->data_ptr(), y,
+             static_cast<int>(rows), static_cast<int>(out_features(w)), static_cast<int>(k),
+             threads, static_cast<int>(q4q8_flags), scratch) == 0,
+          "q4q8 kernel rejected the shapes");
 }
 
-// The layer's sizes and weights, read from its weight list once a call.
+// y [rows, n] = x [rows, k] @ w^T, the q4q8 scratch from the arena.
+void mm_raw(const uint16_t* x, int64_t rows, int64_t k, const Matrix& w, uint16_t* y,
+            int threads, Arena& arena) {
+    if (w.q4q8) return q4q8_mm(x, rows, k, w, y, threads, arena.raw(q4q8_scratch_bytes(rows, k)));
+    // ATen's int4 kernel takes and returns tensors
+    at::Tensor xt = at::from_blob(const_cast<uint16_t*>(x), {rows, k},
+                                  at::TensorOptions().dtype(at::kBFloat16));
+    at::Tensor yt = at::cpu::_weight_int4pack_mm_for_cpu(xt, *w.parts[0], kGroup, *w.parts[1]);
+    check(yt.is_contiguous() && yt.size(1) == out_features(w), "int4 matmul output shape");
+    std::memcpy(y, yt.data_ptr(), static_cast<size_t>(yt.numel()) * 2);
+}
+
+// RoPE in place on the q and k columns of qkv [rows, (H + 2 KVH) * D] (cos, sin: [rows, D]).
+void rope_raw(uint16_t* qkv, int64_t rows, int64_t width, const at::Tensor& cos,
+              const at::Tensor& sin, int64_t heads, int64_t kv_heads, int small_threads) {
+    const int64_t d = width / (heads + 2 * kv_heads);
+    check(d * (heads + 2 * kv_heads) == width && cos.numel() == rows * d
+              && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous()
+              && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+          "qkv width or rope tables do not fit the heads");
+    check(rope_fn(qkv, cos.data_ptr(), sin.data_ptr(), static_cast<int>(rows),
+                  static_cast<int>(heads + kv_heads), static_cast<int>(d), width, d,
+                  small_threads) == 0,
+          "rope kernel failed");
+}
+
+// The KV write (at meta.slots) and the attention over the paged cache for every row of the
+// rotated qkv [rows, (H + 2 KVH) * D] into out [rows, H * D]. The kernel checks the whole
+// step before writing anything.
+void attend_raw(const uint16_t* qkv, int64_t rows, int64_t width, const StepMeta& meta,
+                const at::Tensor& kv_cache, int64_t heads, int64_t kv_heads, double scale,
+                int threads, uint16_t* out) {
+    const int64_t d = width / (heads + 2 * kv_heads);
+    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
+              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
+          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
+    check(attend_fn(qkv, static_cast<int>(width), meta.slots, kv_cache.data_ptr(), meta.tables,
+                    meta.lens, meta.qsl, meta.tree_mask, out, meta.num_seqs,
+                    static_cast<int>(rows), static_cast<int>(heads), static_cast<int>(kv_heads),
+                    static_cast<int>(d), static_cast<int>(kv_cache.size(2)),
+                    static_cast<int>(kv_cache.size(1)), meta.max_blocks,
+                    static_cast<float>(scale),
+                    rows * kv_heads >= 2 ? threads : 1) == 0,  // as cpu_attention.py
+          "attention kernel rejected the step (bad slot, block id, layout or mask)");
+}
+
+// act [rows, inter] = silu(gate) * up of gate_up [rows, 2 * inter].
+void silu_raw(const uint16_t* gate_up, uint16_t* act, int64_t rows, int64_t inter,
+              int small_threads) {
+    check(silu_fn(gate_up, act, static_cast<int>(rows), static_cast<int>(inter),
+                  static_cast<int>(silu_vec_block), small_threads) == 0,
+          "silu_mul kernel failed");
+}
+
+// -- the same on tensors, for the draft head's layer (its outputs allocated)
+
+// y = norm(x (+ residual)); r = x + residual. residual undefined: r = x.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& w, double eps, int threads) {
+    const int64_t rows = x.size(0), n = x.size(1);
+    at::Tensor y = empty_bf16(rows, n);
+    at::Tensor r = residual.defined() ? empty_bf16(rows, n) : x;
+    rms_raw(ptr<const uint16_t>(x), residual.defined() ? ptr<const uint16_t>(residual) : nullptr,
+            w, ptr<uint16_t>(y), ptr<uint16_t>(r), rows, n, eps, threads);
+    return {y, r};
+}
+
+at::Tensor mm(const at::Tensor& x, const Matrix& w, int threads) {
+    if (!w.q4q8) return at::cpu::_weight_int4pack_mm_for_cpu(x, *w.parts[0], kGroup, *w.parts[1]);
+    const int64_t rows = x.size(0), k = x.size(1);
+    at::Tensor y = empty_bf16(rows, out_features(w));
+    at::Tensor scratch = at::empty({static_cast<int64_t>(q4q8_scratch_bytes(rows, k))},
+                                   at::TensorOptions().dtype(at::kByte));
+    q4q8_mm(ptr<const uint16_t>(x), rows, k, w, ptr<uint16_t>(y), threads, scratch.data_ptr());
+    return y;
+}
+
+// ``slots`` (int32 [rows]) in place of meta's slot_mapping: the head's rounds write only
+// their new rows.
+at::Tensor attend(const at::Tensor& qkv, const at::Tensor& slots, const at::Tensor& kv_cache,
+                  at::TensorList meta, int64_t heads, int64_t kv_heads, double scale,
+                  int threads) {
+    const int64_t rows = qkv.size(0), width = qkv.size(1);
+    StepMeta m = step_meta(meta, rows);
+    check(slots.numel() == rows && slots.scalar_type() == at::kInt && slots.is_contiguous(),
+          "slot_mapping must be an int32 [rows] vector");
+    m.slots = ptr<const int32_t>(slots);
+    at::Tensor attn = empty_bf16(rows, heads * (width / (heads + 2 * kv_heads)));
+    attend_raw(ptr<const uint16_t>(qkv), rows, width, m, kv_cache, heads, kv_heads, scale,
+               threads, ptr<uint16_t>(attn));
+    return attn;
+}
+
+// The MLP: mm(silu_mul(mm(h, gate_up_w)), down_w).
+at::Tensor mlp(const at::Tensor& h, const Matrix& gate_up_w, const Matrix& down_w, int threads,
+               int small_threads) {
+    at::Tensor gate_up = mm(h, gate_up_w, threads);  // [T, 2 * inter]
+    const int64_t rows = h.size(0), inter = gate_up.size(1) / 2;
+    at::Tensor act = empty_bf16(rows, inter);
+    silu_raw(ptr<const uint16_t>(gate_up), ptr<uint16_t>(act), rows, inter, small_threads);
+    return mm(act, down_w, threads);
+}
+
+// ---- A decoder layer on raw buffers ------------------------------------------------------
+
+// A layer's matrices and vectors, read from its weight list (once, for LayerStack):
+// weights: ln1, qkv_packed, qkv_sz, o_packed, o_sz, ln2, gate_up_packed, gate_up_sz,
+//          down_packed, down_sz[, qkv_bias]                       (ATen int4: 10 or 11)
+//      or  ln1, qkv (3 tensors, or 6: two matrices side by side), o (3), ln2, gate_up (3),
+//          down (3)[, qkv_bias]                                   (q4q8: 14, 15, 17 or 18)
+// The pointers are into ``weights``, which must outlive it.
 struct LayerWeights {
     std::vector<Matrix> qkv;  // one matrix, or parts side by side
     Matrix o, gate_up, down;
@@ -286,7 +309,6 @@ LayerWeights layer_weights(at::TensorList weights) {
     check(nw == 10 || nw == 11 || nw == 14 || nw == 15 || nw == 17 || nw == 18,
           "expected 10, 11, 14, 15, 17 or 18 weights");
     const bool q4q8 = nw >= 14;
-    check(!q4q8 || q4q8_fn != nullptr, "the q4q8 kernel is not available");
     const size_t per = q4q8 ? 3 : 2;  // tensors per matrix
     const size_t qkv_parts = nw >= 17 ? 2 : 1;
     auto matrix = [&](size_t first) {
@@ -301,34 +323,33 @@ LayerWeights layer_weights(at::TensorList weights) {
     lw.ln1 = &weights[0];
     lw.ln2 = &weights[o_at + per];
     lw.qkv_bias = nw == o_at + 3 * per + 2 ? &weights[nw - 1] : nullptr;
+    if (lw.qkv_bias) {
+        int64_t width = 0;
+        for (const Matrix& w : lw.qkv) width += out_features(w);
+        check(lw.qkv_bias->numel() == width && lw.qkv_bias->scalar_type() == at::kBFloat16
+                  && lw.qkv_bias->is_contiguous(),
+              "qkv bias must be a contiguous bf16 [width] vector");
+    }
     return lw;
 }
 
 // One decoder layer on buffers: y, r_out [rows, hidden] (r_out = x + residual; x itself
 // when residual is null) from x [rows, hidden]; its intermediates from ``arena``.
-// cos, sin: [rows, head_dim] bf16 (contiguous).
+// cos, sin: [rows, head_dim] bf16 (contiguous). The steps in the file's header comment.
 void run_layer_raw(const uint16_t* x, const uint16_t* residual, int64_t rows, int64_t hidden,
-                   uint16_t* y, uint16_t* r_out, at::TensorList weights, const at::Tensor& cos,
+                   uint16_t* y, uint16_t* r_out, const LayerWeights& lw, const at::Tensor& cos,
                    const at::Tensor& sin, const at::Tensor& kv_cache, const StepMeta& meta,
                    int64_t heads, int64_t kv_heads, double eps, double scale, Arena& arena) {
     check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
-    const LayerWeights lw = layer_weights(weights);
     const int threads = at::get_num_threads();
     const int small_threads = rows > par_rows ? threads : 1;
-    const int r = static_cast<int>(rows);
 
-    // h, r = add_rms_norm(x, residual, ln1)
     uint16_t* h = take_bf16(arena, rows, hidden);
-    check(rms_fn(x, residual, lw.ln1->data_ptr(), h, residual ? r_out : nullptr, r,
-                 static_cast<int>(hidden), static_cast<float>(eps), small_threads) == 0,
-          "rms_norm kernel failed");
+    rms_raw(x, residual, *lw.ln1, h, r_out, rows, hidden, eps, small_threads);
     const uint16_t* res = residual ? r_out : x;
 
-    // qkv = mm(h, qkv_w) (+ bias), parts side by side
-    int64_t width = 0;
+    int64_t width = 0;  // qkv's parts side by side, as at::cat put them
     for (const Matrix& w : lw.qkv) width += out_features(w);
-    const int64_t d = width / (heads + 2 * kv_heads);
-    check(d * (heads + 2 * kv_heads) == width, "qkv width does not fit the heads");
     uint16_t* qkv = take_bf16(arena, rows, width);
     if (lw.qkv.size() == 1) {
         mm_raw(h, rows, hidden, lw.qkv[0], qkv, threads, arena);
@@ -344,65 +365,34 @@ void run_layer_raw(const uint16_t* x, const uint16_t* residual, int64_t rows, in
         }
     }
     if (lw.qkv_bias) {  // as torch's bf16 add: the fp32 sum rounded to bf16
-        check(lw.qkv_bias->numel() == width && lw.qkv_bias->scalar_type() == at::kBFloat16
-                  && lw.qkv_bias->is_contiguous(),
-              "qkv bias must be a contiguous bf16 [width] vector");
-        const auto* b = static_cast<const uint16_t*>(lw.qkv_bias->data_ptr());
+        const uint16_t* b = ptr<const uint16_t>(*lw.qkv_bias);
         for (int64_t i = 0; i < rows; ++i)
             for (int64_t j = 0; j < width; ++j)
                 qkv[i * width + j] =
                     f32_to_bf16(bf16_to_f32(qkv[i * width + j]) + bf16_to_f32(b[j]));
     }
+    rope_raw(qkv, rows, width, cos, sin, heads, kv_heads, small_threads);
+    const int64_t attn_width = heads * (width / (heads + 2 * kv_heads));
+    uint16_t* attn = take_bf16(arena, rows, attn_width);
+    attend_raw(qkv, rows, width, meta, kv_cache, heads, kv_heads, scale, threads, attn);
 
-    // RoPE on q and k, then the KV write and the attention
-    check(cos.numel() == rows * d && sin.numel() == rows * d && cos.is_contiguous()
-              && sin.is_contiguous() && cos.scalar_type() == at::kBFloat16
-              && sin.scalar_type() == at::kBFloat16,
-          "qkv width or rope tables do not fit the heads");
-    check(rope_fn(qkv, cos.data_ptr(), sin.data_ptr(), r, static_cast<int>(heads + kv_heads),
-                  static_cast<int>(d), width, d, small_threads) == 0,
-          "rope kernel failed");
-    check(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kBFloat16
-              && kv_cache.dim() == 5 && kv_cache.size(3) == kv_heads && kv_cache.size(4) == d,
-          "kv_cache must be a contiguous bf16 [2, blocks, block_size, kv_heads, head_dim]");
-    uint16_t* attn = take_bf16(arena, rows, heads * d);
-    check(attend_fn(qkv, static_cast<int>(width), meta.slots, kv_cache.data_ptr(), meta.tables,
-                    meta.lens, meta.qsl, meta.tree_mask, attn, meta.num_seqs, r,
-                    static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(d),
-                    static_cast<int>(kv_cache.size(2)), static_cast<int>(kv_cache.size(1)),
-                    meta.max_blocks, static_cast<float>(scale),
-                    rows * kv_heads >= 2 ? threads : 1) == 0,  // as cpu_attention.py
-          "attention kernel rejected the step (bad slot, block id, layout or mask)");
-
-    // o = mm(attn, o_w); h2, r_out = add_rms_norm(o, r, ln2)
-    const int64_t o_n = out_features(lw.o);
-    check(o_n == hidden, "o's output does not fit the hidden size");
+    check(out_features(lw.o) == hidden && out_features(lw.down) == hidden,
+          "o's or down's output does not fit the hidden size");
     uint16_t* o = take_bf16(arena, rows, hidden);
-    mm_raw(attn, rows, heads * d, lw.o, o, threads, arena);
+    mm_raw(attn, rows, attn_width, lw.o, o, threads, arena);
     uint16_t* h2 = take_bf16(arena, rows, hidden);
-    check(rms_fn(o, res, lw.ln2->data_ptr(), h2, r_out, r, static_cast<int>(hidden),
-                 static_cast<float>(eps), small_threads) == 0,
-          "rms_norm kernel failed");
+    rms_raw(o, res, *lw.ln2, h2, r_out, rows, hidden, eps, small_threads);
 
-    // y = mm(silu_mul(mm(h2, gate_up_w)), down_w)
     const int64_t gu = out_features(lw.gate_up), inter = gu / 2;
     uint16_t* gate_up = take_bf16(arena, rows, gu);
     mm_raw(h2, rows, hidden, lw.gate_up, gate_up, threads, arena);
     uint16_t* act = take_bf16(arena, rows, inter);
-    check(silu_fn(gate_up, act, r, static_cast<int>(inter), static_cast<int>(silu_vec_block),
-                  small_threads) == 0,
-          "silu_mul kernel failed");
-    check(out_features(lw.down) == hidden, "down's output does not fit the hidden size");
+    silu_raw(gate_up, act, rows, inter, small_threads);
     mm_raw(act, rows, inter, lw.down, y, threads, arena);
 }
 
-// The op: one layer, its results allocated (its intermediates in an arena of its own).
-// weights: ln1, qkv_packed, qkv_sz, o_packed, o_sz, ln2, gate_up_packed, gate_up_sz,
-//          down_packed, down_sz[, qkv_bias]                       (ATen int4: 10 or 11)
-//      or  ln1, qkv (3 tensors, or 6: two matrices side by side), o (3), ln2, gate_up (3),
-//          down (3)[, qkv_bias]                                   (q4q8: 14, 15, 17 or 18)
-// meta: slot_mapping, block_tables, seq_lens, query_start_loc (int32, the step's metadata)
-//       [, tree_mask (int64 [T], the rows' ancestor bits; empty: every row causal)]
+// The op: one layer (weights as layer_weights reads them; meta as step_meta's), its
+// results allocated, its intermediates in an arena of its own.
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
         const at::Tensor& x, const std::optional<at::Tensor>& residual_opt,
         at::TensorList weights, const at::Tensor& cos, const at::Tensor& sin,
@@ -414,14 +404,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
     if (residual_opt.has_value()) {
         check_activations(*residual_opt, "residual");
         check(residual_opt->sizes() == x.sizes(), "residual and x differ in shape");
-        residual = static_cast<const uint16_t*>(residual_opt->data_ptr());
+        residual = ptr<const uint16_t>(*residual_opt);
     }
     at::Tensor y = empty_bf16(rows, hidden), r = empty_bf16(rows, hidden);
     Arena arena;
-    run_layer_raw(static_cast<const uint16_t*>(x.data_ptr()), residual, rows, hidden,
-                  static_cast<uint16_t*>(y.data_ptr()), static_cast<uint16_t*>(r.data_ptr()),
-                  weights, cos, sin, kv_cache, step_meta(meta, rows), heads, kv_heads, eps,
-                  scale, arena);
+    run_layer_raw(ptr<const uint16_t>(x), residual, rows, hidden, ptr<uint16_t>(y),
+                  ptr<uint16_t>(r), layer_weights(weights), cos, sin, kv_cache,
+                  step_meta(meta, rows), heads, kv_heads, eps, scale, arena);
     return {y, r};
 }
 
@@ -468,7 +457,8 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
     auto [e, e_unused] = add_rms_norm(emb, none, weights[0], eps, small_threads);
     auto [g, g_unused] = add_rms_norm(hidden, none, weights[1], eps, small_threads);
     at::Tensor qkv = mm(at::cat({e, g}, 1), qkv_w, threads);  // [r, (H + 2 KVH) * D]
-    rope_rows(qkv, cos, sin, heads, kv_heads, small_threads);
+    rope_raw(ptr<uint16_t>(qkv), qkv.size(0), qkv.size(1), cos, sin, heads, kv_heads,
+             small_threads);
     at::Tensor attn;
     if (!rows_opt.has_value()) {
         attn = attend(qkv, meta[0], kv_cache, meta, heads, kv_heads, scale, threads);
@@ -522,10 +512,11 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
 // the same; their tensors come from two arenas kept from step to step (cpu_layer_arena.h).
 struct LayerStack : torch::CustomClassHolder {
     std::vector<std::vector<at::Tensor>> weights;  // per layer, as decoder_layer takes them
+    std::vector<LayerWeights> layers;              // per layer, read from weights once
     std::vector<at::Tensor> kv_caches;             // per layer
     int64_t heads, kv_heads;
     double eps, scale;
-    Arena arenas[2];  // layer l's tensors in arenas[l % 2]; one step at a time (step_lock)
+    Arena arenas[2];  // layer l's buffers in arenas[l % 2]; one step at a time (step_lock)
     std::mutex step_lock;
 
     // flat: every layer's weight list in turn, lengths[l] tensors for layer l
@@ -543,6 +534,7 @@ struct LayerStack : torch::CustomClassHolder {
             at += static_cast<size_t>(n);
         }
         check(at == flat.size(), "LayerStack: the lengths do not fit the weights");
+        for (const std::vector<at::Tensor>& w : weights) layers.push_back(layer_weights(w));
     }
 
     // [x, residual, then x + residual after each layer count in aux_after (ascending, 1..L)]:
@@ -625,7 +617,7 @@ struct LayerStack : torch::CustomClassHolder {
             arena.reset();
             uint16_t* y = take_bf16(arena, rows, hidden);
             uint16_t* r = take_bf16(arena, rows, hidden);
-            run_layer_raw(out.x, out.residual, rows, hidden, y, r, weights[l], cos, sin,
+            run_layer_raw(out.x, out.residual, rows, hidden, y, r, layers[l], cos, sin,
                           kv_caches[l], step, heads, kv_heads, eps, scale, arena);
             out.x = y;
             out.residual = r;
