@@ -34,7 +34,10 @@
 #define QD_INLINE static inline __attribute__((always_inline)) QD_TARGET
 
 /* More rows than this are split across OpenMP threads; fewer run on the calling thread
- * (waking the pool costs more than the work). */
+ * (waking the pool costs more than the work). A serial call runs its loop outside any
+ * OpenMP construct: a `parallel if (0)` region still enters libgomp, which builds a team of
+ * one and wakes its barrier, ~0.4 us a call on the 2-core AVX2-only Zen 4 (a 1-row step made
+ * ~240 such calls). */
 #define QD_PAR_ROWS 16
 
 /* ------------------------------------------------------------------------------------------ */
@@ -201,6 +204,15 @@ static QD_TARGET void rms_row(const uint16_t* x, const uint16_t* res, const uint
     for (; i < n; i++) y[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(xf[i] * inv));
 }
 
+/* Row r of qd_rms_norm_bf16's arrays (xf: n floats of scratch). */
+static QD_TARGET void rms_row_at(const uint16_t* x, const uint16_t* res, const uint16_t* w,
+                                 uint16_t* y, uint16_t* res_out, int r, int n, float eps,
+                                 float* xf) {
+    const size_t off = (size_t)r * (size_t)n;
+    rms_row(x + off, res ? res + off : NULL, w, y + off, res_out ? res_out + off : NULL, n, eps,
+            xf);
+}
+
 /* y[rows, n] = rms_norm(x (+ res)) * w; with res, res_out[rows, n] = bf16(x + res).
  * x, res, y, res_out: [rows, n] contiguous bf16 (res, res_out may be NULL; res_out may alias
  * x or res, y may alias x when res is NULL); w: [n]. Returns 0, or -1 on bad arguments / no
@@ -212,8 +224,16 @@ int qd_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, 
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     if (rows <= QD_PAR_ROWS) nthreads = 1;
     if (nthreads > rows) nthreads = rows;
+    if (nthreads <= 1) {
+        float stack_buf[2048];
+        float* xf = n <= 2048 ? stack_buf : (float*)malloc((size_t)n * sizeof(float));
+        if (!xf) return -1;
+        for (int r = 0; r < rows; r++) rms_row_at(x, res, w, y, res_out, r, n, eps, xf);
+        if (xf != stack_buf) free(xf);
+        return 0;
+    }
     int status = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+#pragma omp parallel num_threads(nthreads)
     {
         float stack_buf[2048];
         float* xf = n <= 2048 ? stack_buf : (float*)malloc((size_t)n * sizeof(float));
@@ -225,10 +245,7 @@ int qd_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, 
          * its rows are skipped and the call fails */
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++) {
-            if (!xf) continue;
-            const size_t off = (size_t)r * (size_t)n;
-            rms_row(x + off, res ? res + off : NULL, w, y + off, res_out ? res_out + off : NULL, n,
-                    eps, xf);
+            if (xf) rms_row_at(x, res, w, y, res_out, r, n, eps, xf);
         }
         if (xf && xf != stack_buf) free(xf);
     }
@@ -263,6 +280,14 @@ static QD_TARGET void rope_head(uint16_t* x, const uint16_t* c, const uint16_t* 
     }
 }
 
+/* Row r of qd_rope_neox_bf16's x, every head. */
+static QD_TARGET void rope_row(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int r,
+                               int heads, int d, long long row_stride, long long head_stride) {
+    const uint16_t* c = cos + (size_t)r * (size_t)d;
+    const uint16_t* s = sin + (size_t)r * (size_t)d;
+    for (int h = 0; h < heads; h++) rope_head(x + r * row_stride + h * head_stride, c, s, d);
+}
+
 /* x: [rows, heads, d] bf16 with element strides (row_stride, head_stride, 1), rotated in
  * place; cos, sin: [rows, d] contiguous bf16 shared by all heads. d must be even. */
 int qd_rope_neox_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int rows, int heads,
@@ -270,12 +295,12 @@ int qd_rope_neox_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int
     if (rows < 0 || heads < 0 || d <= 0 || (d & 1) || !x || !cos || !sin) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     if (rows <= QD_PAR_ROWS) nthreads = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int r = 0; r < rows; r++) {
-        const uint16_t* c = cos + (size_t)r * (size_t)d;
-        const uint16_t* s = sin + (size_t)r * (size_t)d;
-        for (int h = 0; h < heads; h++) rope_head(x + r * row_stride + h * head_stride, c, s, d);
+    if (nthreads <= 1) {
+        for (int r = 0; r < rows; r++) rope_row(x, cos, sin, r, heads, d, row_stride, head_stride);
+        return 0;
     }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int r = 0; r < rows; r++) rope_row(x, cos, sin, r, heads, d, row_stride, head_stride);
     return 0;
 }
 
@@ -337,6 +362,13 @@ static QD_TARGET void silu_mul_row(const uint16_t* g, const uint16_t* up, uint16
     }
 }
 
+/* Row r of qd_silu_mul_bf16's arrays. */
+static QD_TARGET void silu_row_at(const uint16_t* gate_up, uint16_t* y, int r, int inter,
+                                  int vec_end) {
+    const uint16_t* g = gate_up + (size_t)r * 2 * (size_t)inter;
+    silu_mul_row(g, g + inter, y + (size_t)r * (size_t)inter, inter, vec_end);
+}
+
 /* y[rows, inter] = bf16(bf16(silu(gate)) * up) with gate, up the two halves of each row of
  * gate_up[rows, 2 * inter] (contiguous bf16). vec_block: elements per iteration of torch's
  * vectorised loop (2 bf16 vectors: 32 on AVX2, 64 on AVX512; 0: torch has no vector exp);
@@ -347,11 +379,12 @@ int qd_silu_mul_bf16(const uint16_t* gate_up, uint16_t* y, int rows, int inter, 
     const int vec_end = vec_block ? inter - inter % vec_block : 0;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     if (rows <= QD_PAR_ROWS) nthreads = 1;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int r = 0; r < rows; r++) {
-        const uint16_t* g = gate_up + (size_t)r * 2 * (size_t)inter;
-        silu_mul_row(g, g + inter, y + (size_t)r * (size_t)inter, inter, vec_end);
+    if (nthreads <= 1) {
+        for (int r = 0; r < rows; r++) silu_row_at(gate_up, y, r, inter, vec_end);
+        return 0;
     }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int r = 0; r < rows; r++) silu_row_at(gate_up, y, r, inter, vec_end);
     return 0;
 }
 
@@ -399,7 +432,11 @@ static QD_TARGET long long argmax_row(const float* x, long long n) {
 /* out[r] = argmax of row r of x [rows, n] fp32, as int64. */
 int qd_argmax_f32(const float* x, int64_t* out, int rows, long long n, int threads) {
     if (rows < 0 || n <= 0 || !x || !out) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
+    if (threads <= 1 || rows <= 1) {
+        for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (size_t)r * (size_t)n, n);
+        return 0;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (size_t)r * (size_t)n, n);
     return 0;
 }
