@@ -331,27 +331,38 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
     return QD_OK;
 }
 
-/* Output rows of a split sequence s (task: one of its parts, holding part and nseg): each
- * lane's segment states, stored by its parts, folded in order and written out; lanes spread
- * over nthreads threads when there are several. */
-static QD_TARGET void merge_split(const Args* a, const Task* task, int nthreads) {
+/* Lane `lane` (query row lane / kv_heads, kv head lane % kv_heads) of a split sequence's
+ * output (task: one of its parts): its segment states, stored by the parts, folded in order
+ * and written out. */
+static QD_TARGET void merge_lane(const Args* a, const Task* task, int lane) {
     const int D = a->d, G = a->heads / a->kv_heads, GD = G * D, s = task->s, KH = a->kv_heads;
     const int first = a->qsl == NULL ? s : a->qsl[s];
     const int q_len = a->qsl == NULL ? 1 : a->qsl[s + 1] - first;
     const int base_ctx = a->seq_lens[s] - q_len;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && q_len * KH >= 4)
-    for (int lane = 0; lane < q_len * KH; ++lane) {
-        const int i = lane / KH, h = lane % KH, t = first + i;
-        float fa[QD_MAX_GD] __attribute__((aligned(64)));
-        float fm[64], fl[64];
-        const uint64_t bits = a->tree_mask != NULL ? (uint64_t)a->tree_mask[t] : 0;
-        const int ctx = bits ? base_ctx + __builtin_popcountll(bits) : base_ctx + i + 1;
-        const int nseg = (ctx + QD_SEGMENT - 1) / QD_SEGMENT;
-        const float* slot = segment_slot(a, task, i, h, 0);
-        for (int seg = 0; seg < nseg; ++seg, slot += GD + 2 * G)
-            fold_segment(fa, fm, fl, slot, slot + GD, slot + GD + G, G, D, seg == 0);
-        write_lane(a, t, h, fa, fl);
+    const int i = lane / KH, h = lane % KH, t = first + i;
+    float fa[QD_MAX_GD] __attribute__((aligned(64)));
+    float fm[64], fl[64];
+    const uint64_t bits = a->tree_mask != NULL ? (uint64_t)a->tree_mask[t] : 0;
+    const int ctx = bits ? base_ctx + __builtin_popcountll(bits) : base_ctx + i + 1;
+    const int nseg = (ctx + QD_SEGMENT - 1) / QD_SEGMENT;
+    const float* slot = segment_slot(a, task, i, h, 0);
+    for (int seg = 0; seg < nseg; ++seg, slot += GD + 2 * G)
+        fold_segment(fa, fm, fl, slot, slot + GD, slot + GD + G, G, D, seg == 0);
+    write_lane(a, t, h, fa, fl);
+}
+
+/* Output rows of a split sequence s (task: one of its parts, holding part and nseg): every
+ * lane merged, spread over nthreads threads from 4 lanes. */
+static QD_TARGET void merge_split(const Args* a, const Task* task, int nthreads) {
+    const int s = task->s;
+    const int first = a->qsl == NULL ? s : a->qsl[s];
+    const int lanes = (a->qsl == NULL ? 1 : a->qsl[s + 1] - first) * a->kv_heads;
+    if (nthreads <= 1 || lanes < 4) { /* outside OpenMP: see kernels/cpu_fused.c, QD_PAR_ROWS */
+        for (int lane = 0; lane < lanes; ++lane) merge_lane(a, task, lane);
+        return;
     }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int lane = 0; lane < lanes; ++lane) merge_lane(a, task, lane);
 }
 
 /* Which lane every call runs: 0 the fp32 lane (AVX2 + FMA), 1 the AVX512-BF16 dot lane
