@@ -584,7 +584,47 @@ struct LayerStack : torch::CustomClassHolder {
         return results;
     }
 
+    // forward_normed from the step's token ids and positions (int64 [rows] each): the
+    // embeddings (rows of embed [vocab, hidden]) and the RoPE rows (of cos_table,
+    // sin_table [positions, head_dim]) gathered here, the rows F.embedding copies, instead of
+    // by three torch calls before this one. Every id and position is checked first: one out
+    // of range throws with nothing written (the caller's Python path then raises its error).
+    std::vector<at::Tensor> forward_normed_ids(const at::Tensor& ids, const at::Tensor& positions,
+                                               const at::Tensor& embed,
+                                               const at::Tensor& cos_table,
+                                               const at::Tensor& sin_table,
+                                               std::vector<at::Tensor> meta,
+                                               std::vector<int64_t> aux_after,
+                                               const at::Tensor& norm_w, double norm_eps) {
+        check(ids.sizes() == positions.sizes(), "ids and positions differ in length");
+        const at::Tensor x0 = gather_rows(embed, ids);
+        const at::Tensor cos = gather_rows(cos_table, positions);
+        const at::Tensor sin = gather_rows(sin_table, positions);
+        return forward_normed(x0, cos, sin, std::move(meta), std::move(aux_after), norm_w,
+                              norm_eps);
+    }
+
   private:
+    // table[index] (table: contiguous bf16 [n, width]; index: contiguous int64 [rows], every
+    // value in [0, n), checked before anything is copied): a new [rows, width] tensor.
+    static at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& index) {
+        check(table.dim() == 2 && table.is_contiguous() && table.scalar_type() == at::kBFloat16
+                  && table.is_cpu(),
+              "a gathered table must be a contiguous bf16 [n, width] matrix");
+        check(index.dim() == 1 && index.is_contiguous() && index.scalar_type() == at::kLong
+                  && index.is_cpu() && index.size(0) > 0,
+              "ids and positions must be non-empty contiguous int64 vectors");
+        const int64_t rows = index.size(0), n = table.size(0), width = table.size(1);
+        const int64_t* ix = index.data_ptr<int64_t>();
+        for (int64_t i = 0; i < rows; ++i) check(ix[i] >= 0 && ix[i] < n, "index out of range");
+        at::Tensor out = empty_bf16(rows, width);
+        const uint16_t* src = ptr<const uint16_t>(table);
+        uint16_t* dst = ptr<uint16_t>(out);
+        for (int64_t i = 0; i < rows; ++i)
+            std::memcpy(dst + i * width, src + ix[i] * width, static_cast<size_t>(width) * 2);
+        return out;
+    }
+
     struct Layers {
         const uint16_t* x;         // [rows, hidden], in an arena (or x0's, without layers)
         const uint16_t* residual;  // likewise, or null without layers
@@ -639,7 +679,8 @@ TORCH_LIBRARY(quickdraft_cpu, m) {
         .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>,
                          std::vector<at::Tensor>, int64_t, int64_t, double, double>())
         .def("forward", &LayerStack::forward)
-        .def("forward_normed", &LayerStack::forward_normed);
+        .def("forward_normed", &LayerStack::forward_normed)
+        .def("forward_normed_ids", &LayerStack::forward_normed_ids);
     m.def("set_cpu_kernels(int rms, int rope, int silu, int attend, int vec_block, "
           "int parallel_rows, int q4q8, int q6q8, int q4kq8, int q4q8_flags) -> ()");
     m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor cos, "

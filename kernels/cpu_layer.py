@@ -217,6 +217,25 @@ def run_stack_normed(stack: Any, x: torch.Tensor,  # [T, hidden] bf16: the embed
     return out[0], out[1:]
 
 
+def run_stack_normed_ids(stack: Any, input_ids: torch.Tensor,  # [T] int64
+                         positions: torch.Tensor,  # [T] int64
+                         embed: torch.Tensor,  # [vocab, hidden] bf16: the token embeddings
+                         rope_tables: tuple[torch.Tensor, torch.Tensor],  # [P, head_dim] bf16
+                         meta: AttentionMetadata, aux_after: list[int], norm_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """:func:`run_stack_normed` on ``embed[input_ids]`` with the RoPE tables' rows at
+    ``positions``, gathered inside the same call (bit-identical: the rows ``F.embedding``
+    copies); None when the step is declined, also for an id or position out of range
+    (checked before anything is written: the Python path then raises its own error)."""
+    try:
+        out: list[torch.Tensor] = stack.forward_normed_ids(
+            input_ids, positions, embed, rope_tables[0], rope_tables[1], _meta_tensors(meta),
+            aux_after, norm_weight, eps)
+    except (RuntimeError, ValueError):
+        return None
+    return out[0], out[1:]
+
+
 def head_layer_weights(input_norm: torch.Tensor, hidden_norm: torch.Tensor,
                        qkv: tuple[torch.Tensor, ...], o: tuple[torch.Tensor, ...],
                        post_norm: torch.Tensor, gate_up: tuple[torch.Tensor, ...],

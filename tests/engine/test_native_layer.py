@@ -354,6 +354,19 @@ def _check_stack_results_across_steps(kernel: str) -> None:
                                             model.norm.eps)[0]
             assert torch.equal(h_out, want_h) and len(aux_n) == len(aux)
             assert all(torch.equal(a, b) for a, b in zip(aux_n, aux, strict=True))
+            # from token ids and positions: the embeddings and RoPE rows gathered in the
+            # call give the bits of the same step on F.embedding's rows
+            ids = torch.randint(0, model.embed_tokens.shape[0], (rows,), generator=gen)
+            positions = torch.arange(rows)
+            from_rows = cpu_layer.run_stack_normed(
+                stack, torch.nn.functional.embedding(ids, model.embed_tokens),
+                model.rotary.cos_sin(positions), meta, [2], model.norm.weight, model.norm.eps)
+            from_ids = cpu_layer.run_stack_normed_ids(
+                stack, ids, positions, model.embed_tokens, (model.rotary.cos, model.rotary.sin),
+                meta, [2], model.norm.weight, model.norm.eps)
+            assert from_rows is not None and from_ids is not None
+            assert torch.equal(from_ids[0], from_rows[0])
+            assert torch.equal(from_ids[1][0], from_rows[1][0])
             kept.append([t.clone() for t in (x_out, r_out, h_out, *aux)]
                         + [x_out, r_out, h_out, *aux])
     for saved in kept:  # every step's results are as they were returned
@@ -379,6 +392,17 @@ def test_a_rejected_step_declines_the_stack_and_writes_nothing() -> None:
                                             model.rotary.cos_sin(torch.arange(2)), good, [],
                                             model.norm.weight[:32], model.norm.eps)
     assert normed is None and not any(c.any() for c in caches)
+    # a token id or a position out of its table: declined before anything is written (the
+    # model's Python path then raises F.embedding's error)
+    vocab, max_pos = model.embed_tokens.shape[0], model.rotary.cos.shape[0]
+    tables = (model.rotary.cos, model.rotary.sin)
+    for ids, positions in (([1, vocab], [0, 1]), ([1, -1], [0, 1]), ([1, 2], [0, max_pos]),
+                           ([1, 2], [0])):
+        with torch.inference_mode():
+            out_ids = cpu_layer.run_stack_normed_ids(
+                stack, torch.tensor(ids), torch.tensor(positions), model.embed_tokens, tables,
+                good, [], model.norm.weight, model.norm.eps)
+        assert out_ids is None and not any(c.any() for c in caches)
     with pytest.raises(ValueError):
         cpu_layer.layer_stack([], caches, 4, 2, 1e-5, 0.25)
 
