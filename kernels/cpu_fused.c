@@ -204,13 +204,20 @@ static QD_TARGET void rms_row(const uint16_t* x, const uint16_t* res, const uint
     for (; i < n; i++) y[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(xf[i] * inv));
 }
 
-/* Row r of qd_rms_norm_bf16's arrays (xf: n floats of scratch). */
-static QD_TARGET void rms_row_at(const uint16_t* x, const uint16_t* res, const uint16_t* w,
-                                 uint16_t* y, uint16_t* res_out, int r, int n, float eps,
-                                 float* xf) {
-    const size_t off = (size_t)r * (size_t)n;
-    rms_row(x + off, res ? res + off : NULL, w, y + off, res_out ? res_out + off : NULL, n, eps,
-            xf);
+/* Rows [r0, r1) of qd_rms_norm_bf16's arrays, with n floats of scratch of their own; -1 when
+ * that scratch cannot be allocated (nothing written). */
+static QD_TARGET int rms_rows(const uint16_t* x, const uint16_t* res, const uint16_t* w,
+                              uint16_t* y, uint16_t* res_out, int r0, int r1, int n, float eps) {
+    float stack_buf[2048];
+    float* xf = n <= 2048 ? stack_buf : (float*)malloc((size_t)n * sizeof(float));
+    if (!xf) return -1;
+    for (int r = r0; r < r1; r++) {
+        const size_t off = (size_t)r * (size_t)n;
+        rms_row(x + off, res ? res + off : NULL, w, y + off, res_out ? res_out + off : NULL, n,
+                eps, xf);
+    }
+    if (xf != stack_buf) free(xf);
+    return 0;
 }
 
 /* y[rows, n] = rms_norm(x (+ res)) * w; with res, res_out[rows, n] = bf16(x + res).
@@ -224,30 +231,18 @@ int qd_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, 
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     if (rows <= QD_PAR_ROWS) nthreads = 1;
     if (nthreads > rows) nthreads = rows;
-    if (nthreads <= 1) {
-        float stack_buf[2048];
-        float* xf = n <= 2048 ? stack_buf : (float*)malloc((size_t)n * sizeof(float));
-        if (!xf) return -1;
-        for (int r = 0; r < rows; r++) rms_row_at(x, res, w, y, res_out, r, n, eps, xf);
-        if (xf != stack_buf) free(xf);
-        return 0;
-    }
+    if (nthreads <= 1) return rms_rows(x, res, w, y, res_out, 0, rows, n, eps);
     int status = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float stack_buf[2048];
-        float* xf = n <= 2048 ? stack_buf : (float*)malloc((size_t)n * sizeof(float));
-        if (!xf) {
+        /* each thread its contiguous share of the rows (every row is computed alone, so the
+         * split does not change a bit) */
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int r0 = (int)((long long)rows * t / nt), r1 = (int)((long long)rows * (t + 1) / nt);
+        if (rms_rows(x, res, w, y, res_out, r0, r1, n, eps) != 0) {
 #pragma omp atomic write
             status = -1;
         }
-        /* every thread takes part in the loop (a worksharing construct); without a buffer
-         * its rows are skipped and the call fails */
-#pragma omp for schedule(static)
-        for (int r = 0; r < rows; r++) {
-            if (xf) rms_row_at(x, res, w, y, res_out, r, n, eps, xf);
-        }
-        if (xf && xf != stack_buf) free(xf);
     }
     return status;
 }

@@ -587,8 +587,10 @@ struct LayerStack : torch::CustomClassHolder {
     // forward_normed from the step's token ids and positions (int64 [rows] each): the
     // embeddings (rows of embed [vocab, hidden]) and the RoPE rows (of cos_table,
     // sin_table [positions, head_dim]) gathered here, the rows F.embedding copies, instead of
-    // by three torch calls before this one. Every id and position is checked first: one out
-    // of range throws with nothing written (the caller's Python path then raises its error).
+    // by three torch calls before this one. aux_after may start with 0: the embeddings
+    // themselves, first among the aux streams. Every id and position is checked first: one
+    // out of range throws with nothing written (the caller's Python path then raises its
+    // error).
     std::vector<at::Tensor> forward_normed_ids(const at::Tensor& ids, const at::Tensor& positions,
                                                const at::Tensor& embed,
                                                const at::Tensor& cos_table,
@@ -600,8 +602,12 @@ struct LayerStack : torch::CustomClassHolder {
         const at::Tensor x0 = gather_rows(embed, ids);
         const at::Tensor cos = gather_rows(cos_table, positions);
         const at::Tensor sin = gather_rows(sin_table, positions);
-        return forward_normed(x0, cos, sin, std::move(meta), std::move(aux_after), norm_w,
-                              norm_eps);
+        const bool with_x0 = !aux_after.empty() && aux_after.front() == 0;
+        if (with_x0) aux_after.erase(aux_after.begin());
+        std::vector<at::Tensor> out = forward_normed(x0, cos, sin, std::move(meta),
+                                                     std::move(aux_after), norm_w, norm_eps);
+        if (with_x0) out.insert(out.begin() + 1, x0);  // (x0 is never written by the layers)
+        return out;
     }
 
   private:

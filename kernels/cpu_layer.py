@@ -208,7 +208,9 @@ def run_stack_normed(stack: Any, x: torch.Tensor,  # [T, hidden] bf16: the embed
                      ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """:func:`run_stack` and the model's final norm in the same call: ``(rms_norm(x +
     residual) * norm_weight, aux)``, bit-identical to :func:`kernels.cpu_fused.add_rms_norm`
-    on :func:`run_stack`'s ``x`` and ``residual``; None when the step is declined."""
+    on :func:`run_stack`'s ``x`` and ``residual``; None when the step is declined. (The
+    model calls :func:`run_stack_normed_ids`; this rows form is what the tests compare it
+    with.)"""
     try:
         out: list[torch.Tensor] = stack.forward_normed(
             x, cos_sin[0], cos_sin[1], _meta_tensors(meta), aux_after, norm_weight, eps)
@@ -221,12 +223,15 @@ def run_stack_normed_ids(stack: Any, input_ids: torch.Tensor,  # [T] int64
                          positions: torch.Tensor,  # [T] int64
                          embed: torch.Tensor,  # [vocab, hidden] bf16: the token embeddings
                          rope_tables: tuple[torch.Tensor, torch.Tensor],  # [P, head_dim] bf16
-                         meta: AttentionMetadata, aux_after: list[int], norm_weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+                         meta: AttentionMetadata,
+                         aux_after: list[int],  # ascending layer counts in 0..L (0: embeddings)
+                         norm_weight: torch.Tensor, eps: float,
+                         ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """:func:`run_stack_normed` on ``embed[input_ids]`` with the RoPE tables' rows at
     ``positions``, gathered inside the same call (bit-identical: the rows ``F.embedding``
-    copies); None when the step is declined, also for an id or position out of range
-    (checked before anything is written: the Python path then raises its own error)."""
+    copies; what the model calls); ``aux_after`` may start with 0, the embeddings. None
+    when the step is declined, also for an id or position out of range (checked before
+    anything is written: the Python path then raises its own error)."""
     try:
         out: list[torch.Tensor] = stack.forward_normed_ids(
             input_ids, positions, embed, rope_tables[0], rope_tables[1], _meta_tensors(meta),

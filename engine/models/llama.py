@@ -373,29 +373,23 @@ class LlamaForCausalLM(nn.Module):
         len(aux_layers) * hidden]`` (a draft head's input features), else None."""
         residual: torch.Tensor | None = None
         aux: dict[int, torch.Tensor] = {}
-        after = sorted({i for i in aux_layers if i > 0})
+        after = sorted(set(aux_layers))
         in_model = not after or after[-1] <= len(self.layers)  # (else: the loop's KeyError)
         stack = self._native_stack(kv_caches) if in_model else None
-        out = None
-        if stack is not None and 0 not in aux_layers:
-            # the embeddings and RoPE rows gathered inside the stack's call: three torch
-            # calls fewer a step (~0.05 ms of a 1-row step on the AVX2-only Zen 4)
-            out = cpu_layer.run_stack_normed_ids(
-                stack, input_ids, positions, self.embed_tokens,
-                (self.rotary.cos, self.rotary.sin), meta, after, self.norm.weight,
-                self.norm.eps)
-            stack = None  # (declined: the Python loop below, which raises any id's error)
-        if out is None:
+        # every layer and the final norm in one native call, the embedding and RoPE rows
+        # gathered inside it (no torch call before it); declined: the Python loop, which
+        # raises any bad id's error
+        out = None if stack is None else cpu_layer.run_stack_normed_ids(
+            stack, input_ids, positions, self.embed_tokens, (self.rotary.cos, self.rotary.sin),
+            meta, after, self.norm.weight, self.norm.eps)
+        if out is not None:
+            hidden, streams = out
+            aux.update(zip(after, streams, strict=True))
+        else:
             x = F.embedding(input_ids, self.embed_tokens)
             cos_sin = self.rotary.cos_sin(positions)
             if 0 in aux_layers:
                 aux[0] = x
-            out = None if stack is None else cpu_layer.run_stack_normed(
-                stack, x, cos_sin, meta, after, self.norm.weight, self.norm.eps)
-        if out is not None:  # every layer and the final norm in one native call
-            hidden, streams = out
-            aux.update(zip(after, streams, strict=True))
-        else:
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 x, residual = layer.forward(x, residual, cos_sin, kv_cache, meta, self.ops)
                 if index + 1 in aux_layers:

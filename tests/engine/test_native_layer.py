@@ -363,10 +363,12 @@ def _check_stack_results_across_steps(kernel: str) -> None:
                 model.rotary.cos_sin(positions), meta, [2], model.norm.weight, model.norm.eps)
             from_ids = cpu_layer.run_stack_normed_ids(
                 stack, ids, positions, model.embed_tokens, (model.rotary.cos, model.rotary.sin),
-                meta, [2], model.norm.weight, model.norm.eps)
+                meta, [0, 2], model.norm.weight, model.norm.eps)  # 0: the embeddings
             assert from_rows is not None and from_ids is not None
-            assert torch.equal(from_ids[0], from_rows[0])
-            assert torch.equal(from_ids[1][0], from_rows[1][0])
+            assert torch.equal(from_ids[0], from_rows[0]) and len(from_ids[1]) == 2
+            assert torch.equal(from_ids[1][0],
+                               torch.nn.functional.embedding(ids, model.embed_tokens))
+            assert torch.equal(from_ids[1][1], from_rows[1][0])
             kept.append([t.clone() for t in (x_out, r_out, h_out, *aux)]
                         + [x_out, r_out, h_out, *aux])
     for saved in kept:  # every step's results are as they were returned
