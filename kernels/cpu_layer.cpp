@@ -241,6 +241,15 @@ void silu_raw(const uint16_t* gate_up, uint16_t* act, int64_t rows, int64_t inte
           "silu_mul kernel failed");
 }
 
+// out[i] = a[i] + b[i] for n bf16 values: the sum in fp32 rounded to nearest even, the bits of
+// torch's bf16 add. (The stack's aux streams: at::add on from_blob views of the arenas cost
+// ~24 us a stream inside the stack's call on the 2-core AVX2-only Zen 4, 2 % of a 1-row
+// SmolLM2 step for a draft head's three; this loop ~1 us. Why ATen's was slow there, not
+// found: from Python the same add takes ~2 us.)
+void add_raw(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
 // -- the same on tensors, for the draft head's layer (its outputs allocated)
 
 // y = norm(x (+ residual)); r = x + residual. residual undefined: r = x.
@@ -655,7 +664,6 @@ struct LayerStack : torch::CustomClassHolder {
         const int64_t rows = x0.size(0), hidden = x0.size(1);
         const StepMeta step = step_meta(meta, rows);
         Layers out{static_cast<const uint16_t*>(x0.data_ptr()), nullptr, {}};
-        const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
         size_t next = 0;
         for (size_t l = 0; l < weights.size(); ++l) {
             // layer l - 2's buffers, the last in this arena, are dead: l - 1 read them
@@ -669,8 +677,9 @@ struct LayerStack : torch::CustomClassHolder {
             out.residual = r;
             while (next < aux_after.size() && aux_after[next] == static_cast<int64_t>(l + 1)) {
                 // allocated: it outlives the step
-                out.aux.push_back(at::add(at::from_blob(y, {rows, hidden}, bf16),
-                                          at::from_blob(r, {rows, hidden}, bf16)));
+                at::Tensor a = empty_bf16(rows, hidden);
+                add_raw(y, r, ptr<uint16_t>(a), rows * hidden);
+                out.aux.push_back(a);
                 ++next;
             }
         }
