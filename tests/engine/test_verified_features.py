@@ -50,3 +50,26 @@ def test_each_request_gets_its_verified_rows_decode_and_verification() -> None:
         [[row] for row in aux.tolist()]
     assert _verified_features(decode, plan, aux, [False, False, False], None) == [None] * 3
     assert _verified_features(decode, plan, None, [True] * 3, None) is None
+
+
+def test_one_request_keeping_every_row_gets_the_step_s_features_whole() -> None:
+    """One request whose verified rows are all of the step's (a plain decode or prefill
+    step, or every draft accepted): the step's tensor itself; one that keeps fewer (a
+    rejected draft, a wanted request beside one that is not) gets just its rows."""
+    for num_plain, num_drafts, accepted in ((1, 0, None), (5, 0, None), (1, 2, [0, 1])):
+        sched = SchedulerOutput([_scheduled("a", num_plain, num_drafts)], [])
+        plan = plan_step(sched)
+        aux = torch.randn(plan.num_tokens, 6)
+        got = _verified_features(sched, plan, aux, [True], [accepted])
+        assert got is not None and got[0] is aux
+    sched = SchedulerOutput([_scheduled("a", 1, 2)], [])
+    plan = plan_step(sched)
+    aux = torch.randn(3, 6)
+    got = _verified_features(sched, plan, aux, [True], [[0]])  # the second draft rejected
+    assert got is not None and got[0] is not None and torch.equal(got[0], aux[:2])
+    two = SchedulerOutput([_scheduled("a", 1, 0), _scheduled("b", 1, 0)], [])
+    plan = plan_step(two)
+    aux = torch.randn(2, 6)
+    got = _verified_features(two, plan, aux, [False, True], None)
+    assert got is not None and got[0] is None and got[1] is not None
+    assert torch.equal(got[1], aux[1:])
