@@ -39,7 +39,9 @@ def expected_accepted(alpha: float, num_drafts: int) -> float:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Relative cost of a forward pass with ``n`` query tokens (piecewise linear)."""
+    """Relative cost of a forward pass with ``n`` query tokens (piecewise linear, extrapolated
+    with the last slope; a table of one size is flat: e.g. a draft head's cost by batch
+    measured where the engine runs one request at a time)."""
 
     num_tokens: tuple[int, ...]  # increasing, starting at 1
     seconds: tuple[float, ...]
@@ -52,7 +54,7 @@ class StepCost:
 
     def __call__(self, n: int) -> float:
         xs, ys = self.num_tokens, self.seconds
-        if n <= xs[0]:
+        if n <= xs[0] or len(xs) == 1:
             return ys[0]
         i = bisect.bisect_left(xs, n)
         if i == len(xs):  # extrapolate with the last slope

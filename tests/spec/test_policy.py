@@ -18,6 +18,8 @@ def test_step_cost_interpolates_and_extrapolates():
     assert cost(1) == 1.0 and cost(2) == 1.0 and cost(4) == 2.0 and cost(7) == 5.0
     with pytest.raises(ValueError):
         StepCost((2, 4), (1.0, 1.0))
+    one = StepCost((1,), (0.5,))  # one size measured: flat, not an IndexError
+    assert one(1) == one(4) == 0.5
 
 
 def test_measure_step_cost_is_monotone_best_of_three_rounds():
