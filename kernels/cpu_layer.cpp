@@ -242,10 +242,11 @@ void silu_raw(const uint16_t* gate_up, uint16_t* act, int64_t rows, int64_t inte
 }
 
 // out[i] = a[i] + b[i] for n bf16 values: the sum in fp32 rounded to nearest even, the bits of
-// torch's bf16 add. (The stack's aux streams: at::add on from_blob views of the arenas cost
-// ~24 us a stream inside the stack's call on the 2-core AVX2-only Zen 4, 2 % of a 1-row
-// SmolLM2 step for a draft head's three; this loop ~1 us. Why ATen's was slow there, not
-// found: from Python the same add takes ~2 us.)
+// torch's bf16 add. (The stack's aux streams: at::add there cost ~24 us a stream on the
+// 2-core AVX2-only Zen 4, 2 % of a 1-row SmolLM2 step for a draft head's three, against
+// ~2 us from Python: between layers that have streamed their weights through the caches
+// the dispatcher's code and data are cold, as for the F.embedding calls forward_normed_ids
+// replaced. This loop: ~1 us.)
 void add_raw(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
 }
