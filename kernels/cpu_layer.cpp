@@ -547,20 +547,21 @@ struct LayerStack : torch::CustomClassHolder {
         for (const std::vector<at::Tensor>& w : weights) layers.push_back(layer_weights(w));
     }
 
-    // [x, residual, then x + residual after each layer count in aux_after (ascending, 1..L)]:
-    // what the Python loop over decoder_layer returns. The attention kernel checks the step
-    // before it writes anything, and every layer sees the same metadata, so a rejected step
-    // throws from the first layer with nothing written.
+    // [x, residual, then (when aux_after, ascending layer counts in 1..L, is not empty) the
+    // residual streams x + residual after those layers side by side, [rows, n * hidden]]:
+    // what the Python loop over decoder_layer returns (the streams torch.cat'ed). The
+    // attention kernel checks the step before it writes anything, and every layer sees the
+    // same metadata, so a rejected step throws from the first layer with nothing written.
     std::vector<at::Tensor> forward(const at::Tensor& x0, const at::Tensor& cos,
                                     const at::Tensor& sin, std::vector<at::Tensor> meta,
                                     std::vector<int64_t> aux_after) {
         const std::lock_guard<std::mutex> hold(step_lock);
-        const Layers out = run_layers(x0, cos, sin, meta, aux_after);
+        const Layers out = run_layers(x0, cos, sin, meta, aux_after, 0);
         // the arenas' memory is reused by the next step: the results leave as copies
         std::vector<at::Tensor> results{copy_out(out.x, x0), out.residual != nullptr
                                         ? copy_out(out.residual, x0) : x0};
         for (Arena& arena : arenas) arena.release_above(kArenaKeepBytes);
-        results.insert(results.end(), out.aux.begin(), out.aux.end());
+        if (out.aux.defined()) results.push_back(out.aux);
         return results;
     }
 
@@ -572,26 +573,7 @@ struct LayerStack : torch::CustomClassHolder {
                                            const at::Tensor& sin, std::vector<at::Tensor> meta,
                                            std::vector<int64_t> aux_after,
                                            const at::Tensor& norm_w, double norm_eps) {
-        check_activations(x0, "x");
-        check(norm_w.dim() == 1 && norm_w.size(0) == x0.size(1) && norm_w.is_contiguous()
-                  && norm_w.scalar_type() == at::kBFloat16,
-              "the final norm's weight must be a contiguous bf16 [hidden] vector");
-        const std::lock_guard<std::mutex> hold(step_lock);
-        const Layers out = run_layers(x0, cos, sin, meta, aux_after);
-        const int64_t rows = x0.size(0), hidden = x0.size(1);
-        at::Tensor normed = empty_bf16(rows, hidden);
-        // x + residual is written too (the kernel's contract), to the last layer's arena
-        uint16_t* sum = out.residual != nullptr
-            ? take_bf16(arenas[(weights.size() + 1) % 2], rows, hidden) : nullptr;
-        check(rms_fn(out.x, out.residual, norm_w.data_ptr(), normed.data_ptr(), sum,
-                     static_cast<int>(rows), static_cast<int>(hidden),
-                     static_cast<float>(norm_eps),
-                     rows > par_rows ? at::get_num_threads() : 1) == 0,
-              "rms_norm kernel failed");
-        for (Arena& arena : arenas) arena.release_above(kArenaKeepBytes);
-        std::vector<at::Tensor> results{normed};
-        results.insert(results.end(), out.aux.begin(), out.aux.end());
-        return results;
+        return run_normed(x0, cos, sin, meta, aux_after, norm_w, norm_eps, 0);
     }
 
     // forward_normed from the step's token ids and positions (int64 [rows] each): the
@@ -614,13 +596,47 @@ struct LayerStack : torch::CustomClassHolder {
         const at::Tensor sin = gather_rows(sin_table, positions);
         const bool with_x0 = !aux_after.empty() && aux_after.front() == 0;
         if (with_x0) aux_after.erase(aux_after.begin());
-        std::vector<at::Tensor> out = forward_normed(x0, cos, sin, std::move(meta),
-                                                     std::move(aux_after), norm_w, norm_eps);
-        if (with_x0) out.insert(out.begin() + 1, x0);  // (x0 is never written by the layers)
+        std::vector<at::Tensor> out = run_normed(x0, cos, sin, meta, aux_after, norm_w,
+                                                 norm_eps, with_x0 ? 1 : 0);
+        if (with_x0) {  // the embeddings, the first block of the streams (x0 is never written)
+            const int64_t rows = x0.size(0), hidden = x0.size(1), width = out[1].size(1);
+            const uint16_t* src = ptr<const uint16_t>(x0);
+            uint16_t* dst = ptr<uint16_t>(out[1]);
+            for (int64_t i = 0; i < rows; ++i)
+                std::memcpy(dst + i * width, src + i * hidden, static_cast<size_t>(hidden) * 2);
+        }
         return out;
     }
 
   private:
+    // forward_normed, the aux streams' tensor with `lead` blocks of columns before them for
+    // the caller to fill (forward_normed_ids: the embeddings).
+    std::vector<at::Tensor> run_normed(const at::Tensor& x0, const at::Tensor& cos,
+                                       const at::Tensor& sin, const std::vector<at::Tensor>& meta,
+                                       const std::vector<int64_t>& aux_after,
+                                       const at::Tensor& norm_w, double norm_eps, int64_t lead) {
+        check_activations(x0, "x");
+        check(norm_w.dim() == 1 && norm_w.size(0) == x0.size(1) && norm_w.is_contiguous()
+                  && norm_w.scalar_type() == at::kBFloat16,
+              "the final norm's weight must be a contiguous bf16 [hidden] vector");
+        const std::lock_guard<std::mutex> hold(step_lock);
+        const Layers out = run_layers(x0, cos, sin, meta, aux_after, lead);
+        const int64_t rows = x0.size(0), hidden = x0.size(1);
+        at::Tensor normed = empty_bf16(rows, hidden);
+        // x + residual is written too (the kernel's contract), to the last layer's arena
+        uint16_t* sum = out.residual != nullptr
+            ? take_bf16(arenas[(weights.size() + 1) % 2], rows, hidden) : nullptr;
+        check(rms_fn(out.x, out.residual, norm_w.data_ptr(), normed.data_ptr(), sum,
+                     static_cast<int>(rows), static_cast<int>(hidden),
+                     static_cast<float>(norm_eps),
+                     rows > par_rows ? at::get_num_threads() : 1) == 0,
+              "rms_norm kernel failed");
+        for (Arena& arena : arenas) arena.release_above(kArenaKeepBytes);
+        std::vector<at::Tensor> results{normed};
+        if (out.aux.defined()) results.push_back(out.aux);
+        return results;
+    }
+
     // table[index] (table: contiguous bf16 [n, width]; index: contiguous int64 [rows], every
     // value in [0, n), checked before anything is copied): a new [rows, width] tensor.
     static at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& index) {
@@ -644,7 +660,7 @@ struct LayerStack : torch::CustomClassHolder {
     struct Layers {
         const uint16_t* x;         // [rows, hidden], in an arena (or x0's, without layers)
         const uint16_t* residual;  // likewise, or null without layers
-        std::vector<at::Tensor> aux;
+        at::Tensor aux;  // [rows, (lead + n) * hidden] or undefined (none asked for)
     };
 
     static at::Tensor copy_out(const uint16_t* p, const at::Tensor& like) {
@@ -654,9 +670,12 @@ struct LayerStack : torch::CustomClassHolder {
     }
 
     // Every layer in turn; x and residual stay in the arenas (valid until the next step's
-    // layers reset them), the aux streams are allocated. The caller holds step_lock.
+    // layers reset them); the aux streams go to one allocated tensor, the stream after
+    // aux_after[j] layers in its columns [(lead + j) * hidden, +hidden) (the first lead
+    // blocks left to the caller). The caller holds step_lock.
     Layers run_layers(const at::Tensor& x0, const at::Tensor& cos, const at::Tensor& sin,
-                      const std::vector<at::Tensor>& meta, const std::vector<int64_t>& aux_after) {
+                      const std::vector<at::Tensor>& meta, const std::vector<int64_t>& aux_after,
+                      int64_t lead) {
         for (size_t i = 0; i < aux_after.size(); ++i)
             check(aux_after[i] >= 1 && aux_after[i] <= static_cast<int64_t>(weights.size())
                       && (i == 0 || aux_after[i] > aux_after[i - 1]),
@@ -665,6 +684,8 @@ struct LayerStack : torch::CustomClassHolder {
         const int64_t rows = x0.size(0), hidden = x0.size(1);
         const StepMeta step = step_meta(meta, rows);
         Layers out{static_cast<const uint16_t*>(x0.data_ptr()), nullptr, {}};
+        const int64_t blocks = lead + static_cast<int64_t>(aux_after.size());
+        if (blocks > 0) out.aux = empty_bf16(rows, blocks * hidden);
         size_t next = 0;
         for (size_t l = 0; l < weights.size(); ++l) {
             // layer l - 2's buffers, the last in this arena, are dead: l - 1 read them
@@ -677,10 +698,10 @@ struct LayerStack : torch::CustomClassHolder {
             out.x = y;
             out.residual = r;
             while (next < aux_after.size() && aux_after[next] == static_cast<int64_t>(l + 1)) {
-                // allocated: it outlives the step
-                at::Tensor a = empty_bf16(rows, hidden);
-                add_raw(y, r, ptr<uint16_t>(a), rows * hidden);
-                out.aux.push_back(a);
+                const int64_t column = (lead + static_cast<int64_t>(next)) * hidden;
+                uint16_t* dst = ptr<uint16_t>(out.aux) + column;
+                for (int64_t i = 0; i < rows; ++i)
+                    add_raw(y + i * hidden, r + i * hidden, dst + i * blocks * hidden, hidden);
                 ++next;
             }
         }

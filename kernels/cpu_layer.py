@@ -187,17 +187,18 @@ def layer_stack(weights: list[list[torch.Tensor]],  # per layer, from layer_weig
 def run_stack(stack: Any, x: torch.Tensor,  # [T, hidden] bf16: the embeddings
               cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
               aux_after: list[int],  # ascending layer counts in 1..L
-              ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """Every layer of ``stack`` in one call: ``(x, residual, aux)`` as a loop of
-    :func:`decoder_layer` calls gives them (bit-identical), ``aux[i]`` the residual stream
-    ``x + residual`` after ``aux_after[i]`` layers; None when the step is declined (the
-    attention kernel rejects it at the first layer, nothing written)."""
+    :func:`decoder_layer` calls gives them (bit-identical), ``aux [T, n * hidden]`` the
+    residual streams ``x + residual`` after the ``n`` layer counts of ``aux_after`` side by
+    side (None when it is empty); None when the step is declined (the attention kernel
+    rejects it at the first layer, nothing written)."""
     try:
         out: list[torch.Tensor] = stack.forward(x, cos_sin[0], cos_sin[1], _meta_tensors(meta),
                                                 aux_after)
     except (RuntimeError, ValueError):
         return None
-    return out[0], out[1], out[2:]
+    return out[0], out[1], out[2] if len(out) > 2 else None
 
 
 def run_stack_normed(stack: Any, x: torch.Tensor,  # [T, hidden] bf16: the embeddings
@@ -205,18 +206,18 @@ def run_stack_normed(stack: Any, x: torch.Tensor,  # [T, hidden] bf16: the embed
                      aux_after: list[int],  # ascending layer counts in 1..L
                      norm_weight: torch.Tensor,  # [hidden] bf16: the model's final norm
                      eps: float,
-                     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+                     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`run_stack` and the model's final norm in the same call: ``(rms_norm(x +
     residual) * norm_weight, aux)``, bit-identical to :func:`kernels.cpu_fused.add_rms_norm`
-    on :func:`run_stack`'s ``x`` and ``residual``; None when the step is declined. (The
-    model calls :func:`run_stack_normed_ids`; this rows form is what the tests compare it
-    with.)"""
+    on :func:`run_stack`'s ``x`` and ``residual``, ``aux`` as :func:`run_stack`'s; None when
+    the step is declined. (The model calls :func:`run_stack_normed_ids`; this rows form is
+    what the tests compare it with.)"""
     try:
         out: list[torch.Tensor] = stack.forward_normed(
             x, cos_sin[0], cos_sin[1], _meta_tensors(meta), aux_after, norm_weight, eps)
     except (RuntimeError, ValueError):
         return None
-    return out[0], out[1:]
+    return out[0], out[1] if len(out) > 1 else None
 
 
 def run_stack_normed_ids(stack: Any, input_ids: torch.Tensor,  # [T] int64
@@ -226,19 +227,20 @@ def run_stack_normed_ids(stack: Any, input_ids: torch.Tensor,  # [T] int64
                          meta: AttentionMetadata,
                          aux_after: list[int],  # ascending layer counts in 0..L (0: embeddings)
                          norm_weight: torch.Tensor, eps: float,
-                         ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`run_stack_normed` on ``embed[input_ids]`` with the RoPE tables' rows at
     ``positions``, gathered inside the same call (bit-identical: the rows ``F.embedding``
-    copies; what the model calls); ``aux_after`` may start with 0, the embeddings. None
-    when the step is declined, also for an id or position out of range (checked before
-    anything is written: the Python path then raises its own error)."""
+    copies; what the model calls); ``aux_after`` may start with 0, the embeddings (then the
+    first block of ``aux``). None when the step is declined, also for an id or position out
+    of range (checked before anything is written: the Python path then raises its own
+    error)."""
     try:
         out: list[torch.Tensor] = stack.forward_normed_ids(
             input_ids, positions, embed, rope_tables[0], rope_tables[1], _meta_tensors(meta),
             aux_after, norm_weight, eps)
     except (RuntimeError, ValueError):
         return None
-    return out[0], out[1:]
+    return out[0], out[1] if len(out) > 1 else None
 
 
 def head_layer_weights(input_norm: torch.Tensor, hidden_norm: torch.Tensor,

@@ -377,14 +377,16 @@ class LlamaForCausalLM(nn.Module):
         in_model = not after or after[-1] <= len(self.layers)  # (else: the loop's KeyError)
         stack = self._native_stack(kv_caches) if in_model else None
         # every layer and the final norm in one native call, the embedding and RoPE rows
-        # gathered inside it (no torch call before it); declined: the Python loop, which
-        # raises any bad id's error
+        # gathered inside it (no torch call before it), the aux streams side by side in
+        # ascending order; declined: the Python loop, which raises any bad id's error
         out = None if stack is None else cpu_layer.run_stack_normed_ids(
             stack, input_ids, positions, self.embed_tokens, (self.rotary.cos, self.rotary.sin),
             meta, after, self.norm.weight, self.norm.eps)
         if out is not None:
             hidden, streams = out
-            aux.update(zip(after, streams, strict=True))
+            if streams is None or list(aux_layers) == after:  # (a shipped head's order)
+                return hidden, streams
+            aux.update(zip(after, streams.split(hidden.shape[-1], dim=-1), strict=True))
         else:
             x = F.embedding(input_ids, self.embed_tokens)
             cos_sin = self.rotary.cos_sin(positions)

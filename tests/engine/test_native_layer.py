@@ -251,16 +251,17 @@ def test_a_malformed_tree_mask_declines_and_writes_nothing() -> None:
         assert out is None and not kv.any()
 
 
-@pytest.mark.parametrize("kernel", ["torch", "q8"])
-def test_all_layers_in_one_call_equal_layer_by_layer(kernel: str, monkeypatch) -> None:
+@pytest.mark.parametrize(("kernel", "aux_layers"), [
+    ("torch", (0, 1, 3)), ("q8", (0, 1, 3)), ("q8", (3, 1, 1))])  # (the stack's order; not)
+def test_all_layers_in_one_call_equal_layer_by_layer(kernel: str, aux_layers: tuple[int, ...],
+                                                     monkeypatch) -> None:
     """The model's layers bound once and run in one call (cpu_layer.run_stack, what the model
     uses when every layer is native) give the bits of the layer-by-layer native calls and of
     the Python layers: hidden states, KV caches and the residual-stream features a draft
-    head reads (aux layers, the embeddings' 0 included)."""
+    head reads (aux layers, the embeddings' 0 included, in the order asked for)."""
     if kernel == "q8" and not cpu_q4q8.available():
         pytest.skip("the q4q8 kernel is not built here")
     model = _model(False, kernel)
-    aux_layers = (0, 1, 3)
 
     def run(native: bool, stack: bool) -> list[torch.Tensor]:
         model.use_native_layers(native)
@@ -336,14 +337,18 @@ def _check_stack_results_across_steps(kernel: str) -> None:
             cos_sin = model.rotary.cos_sin(torch.arange(rows))
             out = cpu_layer.run_stack(stack, x, cos_sin, meta, [1, 3])
             assert out is not None
-            want_x, want_r = x, None
-            for layer, cache in zip(model.layers, caches, strict=True):
+            want_x, want_r, streams = x, None, []
+            for index, (layer, cache) in enumerate(zip(model.layers, caches, strict=True)):
                 want_x, want_r = torch.ops.quickdraft_cpu.decoder_layer(
                     want_x, want_r, layer.native, *cos_sin, cache,
                     cpu_layer._meta_tensors(meta), attn.heads, attn.kv_heads,
                     layer.input_layernorm.eps, attn.scale)
+                if index + 1 in (1, 3):
+                    streams.append(want_x + want_r)  # torch's bf16 add
             x_out, r_out, aux = out
             assert torch.equal(x_out, want_x) and torch.equal(r_out, want_r)
+            # the residual streams after layers 1 and 3, side by side in one tensor
+            assert aux is not None and torch.equal(aux, torch.cat(streams, dim=-1))
             # the same step with the model's final norm in the call (its K/V rewritten with
             # the same values): the Python norm's bits on the same x and residual
             normed = cpu_layer.run_stack_normed(stack, x, cos_sin, meta, [1, 3],
@@ -352,8 +357,7 @@ def _check_stack_results_across_steps(kernel: str) -> None:
             h_out, aux_n = normed
             want_h = cpu_fused.add_rms_norm(want_x, want_r, model.norm.weight,
                                             model.norm.eps)[0]
-            assert torch.equal(h_out, want_h) and len(aux_n) == len(aux)
-            assert all(torch.equal(a, b) for a, b in zip(aux_n, aux, strict=True))
+            assert torch.equal(h_out, want_h) and aux_n is not None and torch.equal(aux_n, aux)
             # from token ids and positions: the embeddings and RoPE rows gathered in the
             # call give the bits of the same step on F.embedding's rows
             ids = torch.randint(0, model.embed_tokens.shape[0], (rows,), generator=gen)
@@ -365,12 +369,15 @@ def _check_stack_results_across_steps(kernel: str) -> None:
                 stack, ids, positions, model.embed_tokens, (model.rotary.cos, model.rotary.sin),
                 meta, [0, 2], model.norm.weight, model.norm.eps)  # 0: the embeddings
             assert from_rows is not None and from_ids is not None
-            assert torch.equal(from_ids[0], from_rows[0]) and len(from_ids[1]) == 2
-            assert torch.equal(from_ids[1][0],
-                               torch.nn.functional.embedding(ids, model.embed_tokens))
-            assert torch.equal(from_ids[1][1], from_rows[1][0])
-            kept.append([t.clone() for t in (x_out, r_out, h_out, *aux)]
-                        + [x_out, r_out, h_out, *aux])
+            assert from_ids[1] is not None and from_rows[1] is not None
+            assert torch.equal(from_ids[0], from_rows[0])
+            assert torch.equal(from_ids[1], torch.cat(  # [embeddings | stream after 2]
+                [torch.nn.functional.embedding(ids, model.embed_tokens), from_rows[1]], dim=-1))
+            none = cpu_layer.run_stack_normed(stack, x, cos_sin, meta, [], model.norm.weight,
+                                              model.norm.eps)
+            assert none is not None and none[1] is None and torch.equal(none[0], h_out)
+            kept.append([t.clone() for t in (x_out, r_out, h_out, aux)]
+                        + [x_out, r_out, h_out, aux])
     for saved in kept:  # every step's results are as they were returned
         half = len(saved) // 2
         for copy, live in zip(saved[:half], saved[half:], strict=True):
