@@ -345,7 +345,7 @@ def _verified_features(sched: SchedulerOutput, plan: StepPlan, aux: torch.Tensor
     # contiguous when they span no more rows than they are. (Each torch call here costs
     # several times its warm time right after a forward has streamed the weights through
     # the caches, so a step that keeps every row of aux for one request, a plain decode
-    # step, makes none: 45 -> 21 us a step on the 2-core AVX2-only Zen 4.)
+    # step, makes none: 45 -> ~20 us a step on the 2-core AVX2-only Zen 4.)
     if len(rows) == len(aux) and len(counts) == 1 and aux.device.type == "cpu":
         parts = iter((aux,))  # rows [0, T): all of it
     else:
