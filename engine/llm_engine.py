@@ -28,6 +28,7 @@ from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
 from quickdraft.engine.scheduler import RequestUpdate, Scheduler
 from quickdraft.engine.step_plan import CHECK_INVARIANTS
+from quickdraft.spec.draft_cost import ObservedDraftCost
 from quickdraft.spec.draft_head import SHIPPED_HEADS, find_head, model_fingerprint
 from quickdraft.spec.draft_head_runner import DraftHeadRunner
 from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
@@ -99,14 +100,19 @@ class LLMEngine:
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         draft_cost, draft_fixed_cost = self._draft_cost()
+        # proposals as served cost more than the warm start-up timing: priced from their
+        # observed times (None: not measured, drafting free)
+        self.draft_cost = ObservedDraftCost(draft_cost, draft_fixed_cost) \
+            if draft_cost is not None else None
         step_cost = self._step_cost()
         # a measured curve is corrected by the steps' real times while serving (a busy
         # neighbour makes rows dearer); the default curve of an unmeasured engine stays fixed
         self.step_cost = ObservedStepCost(step_cost) \
             if config.measure_step_cost and config.speculation != "off" else None
         policy = SpeculationPolicy(
-            self.step_cost or step_cost, config.num_speculative_tokens, draft_cost=draft_cost,
-            draft_fixed_cost=draft_fixed_cost,
+            self.step_cost or step_cost, config.num_speculative_tokens,
+            draft_cost=self.draft_cost.per_draft if self.draft_cost else None,
+            draft_fixed_cost=self.draft_cost.fixed if self.draft_cost else None,
             rows_per_model_draft=HEAD_NODES_PER_DRAFT if self.head and not self.draft else 1)
         self.speculation = config.speculation
         if self.speculation == "auto":
@@ -124,7 +130,8 @@ class LLMEngine:
             verify_trees=self.runner.backend.verify_trees,
             suffix_corpus=find_corpus(config.suffix_corpus, model_fingerprint(model_dir),
                                       SHIPPED_HEADS) if config.speculation != "off" else None,
-            speed_guard=SpeedGuardConfig() if config.speed_guard else None)
+            speed_guard=SpeedGuardConfig() if config.speed_guard else None,
+            draft_cost=self.draft_cost)
         # the scheduler decides who runs with how many drafts; the speculator follows it
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.priority_aging_s,

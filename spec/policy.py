@@ -251,7 +251,8 @@ class SpeculationPolicy:
     """``cost``: the target's step time by query tokens; ``draft_cost``: one draft-model
     forward by batch size (None: drafting is free, e.g. n-gram only); ``draft_fixed_cost``:
     what drafting costs by batch size whatever the depth (a draft head's catch-up forward
-    over the newly verified positions; None: nothing)."""
+    over the newly verified positions; None: nothing). The engine passes both as observed
+    (:class:`spec.draft_cost.ObservedDraftCost`)."""
 
     cost: StepCost | ObservedStepCost = field(default_factory=StepCost.memory_bound)
     max_k: int = 4
@@ -261,11 +262,11 @@ class SpeculationPolicy:
     # ... and only in a step where a draft accepted this often would pay (a probe in a
     # saturated batch costs every request the first draft row's time)
     probe_alpha: float = 0.5
-    draft_cost: StepCost | None = None
+    draft_cost: Callable[[int], float] | None = None
     # Background tokens count this much in the batch's rate: when drafting stops paying for
     # everyone (a saturated batch), background requests lose their drafts first.
     background_weight: float = 0.25
-    draft_fixed_cost: StepCost | None = None
+    draft_fixed_cost: Callable[[int], float] | None = None
     # target rows verified per draft granted to the draft model's proposals (a draft head
     # drafts a tree of this many nodes per granted draft: each node is a verified row)
     rows_per_model_draft: int = 1
@@ -383,8 +384,9 @@ class _Plan:
         return self.tokens / (cost(self.n) + self.draft_seconds)
 
     def with_draft_model(self, i: int, k: int, alpha: float, depth: int, batch: int,
-                         draft_cost: StepCost | None, weight: float = 1.0,
-                         fixed_cost: StepCost | None = None, rows_per_draft: int = 1,
+                         draft_cost: Callable[[int], float] | None, weight: float = 1.0,
+                         fixed_cost: Callable[[int], float] | None = None,
+                         rows_per_draft: int = 1,
                          ) -> _Plan:
         """Request ``i`` drafts ``k`` tokens with the model (``rows_per_draft * k`` rows
         verified); ``batch`` requests now do."""

@@ -26,6 +26,7 @@ import torch
 from quickdraft.engine.kv_cache import KVCacheManager
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.step_plan import StepPlan
+from quickdraft.spec.draft_cost import ObservedDraftCost
 from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
 from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
 from quickdraft.spec.params import SpeculationParams
@@ -62,12 +63,14 @@ class Speculator:
                  draft: DraftModelRunner | None = None, max_model_len: int = 1 << 30,
                  vocab_size: int = 0, head: DraftHeadRunner | None = None,
                  verify_trees: bool = True, suffix_corpus: SuffixCorpus | None = None,
-                 speed_guard: SpeedGuardConfig | None = None) -> None:
+                 speed_guard: SpeedGuardConfig | None = None,
+                 draft_cost: ObservedDraftCost | None = None) -> None:
         """``verify_trees`` False: every step verifies chains (each tree's best path), for a
         kernel backend where only a chain's rows get plain decoding's bits;
         ``suffix_corpus``: the public corpus the suffix tries draft from too;
         ``speed_guard``: each method's realised speed is checked against the plain path with
-        this configuration (None: no check)."""
+        this configuration (None: no check); ``draft_cost``: the policy's draft-model (or
+        head) costs, which each proposal's time updates (None: not observed)."""
         self.verify_trees = verify_trees
         self.max_k = max_k
         self.proposers = Proposers(method, max_k, ngram_min, ngram_max, draft, vocab_size,
@@ -79,6 +82,7 @@ class Speculator:
         self._chains_only = False  # this step verifies chains only (see _plan)
         self.speed_guard = speed_guard
         self.guards: dict[str, SpeedGuard] = {}  # by method, made at its first counted step
+        self.draft_cost = draft_cost
 
     @property
     def draft_model(self) -> DraftModelRunner | None:
@@ -309,13 +313,18 @@ class Speculator:
         ``requests`` in one batched call, into the slots the scheduler reserved (the block
         tables already cover ``num_tokens + model_k`` positions)."""
         start = time.perf_counter()
+        # what the policy priced: the deepest request's drafts for all of them
+        depth = max((r.spec_state.in_flight_depth for r in requests), default=0)
         by_head = [r for r in requests if r.spec_state.in_flight_source == "head"]
         if by_head:
             self._draft_with_head(by_head)
         if len(by_head) < len(requests):
             self._draft_with_model([r for r in requests
                                     if r.spec_state.in_flight_source != "head"])
-        self.stats.proposer_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.stats.proposer_seconds += seconds
+        if self.draft_cost is not None:
+            self.draft_cost.observe(len(requests), depth, seconds)
 
     def _draft_with_model(self, requests: list[Request]) -> None:
         assert self.draft_model is not None and self.kv is not None

@@ -16,6 +16,7 @@ from quickdraft.engine.llm_engine import InvalidRequestError, LLMEngine
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec.draft_head_train import TrainConfig, run
 from quickdraft.spec.params import SpeculationParams
+from quickdraft.spec.policy import StepCost
 from tests.conftest import make_tiny_model
 from tests.spec.test_spec_engine import GREEDY, PROMPTS, run_staggered
 
@@ -84,6 +85,32 @@ def test_greedy_staggered_batch_with_preemption_equal(target: Path, head_dir: Pa
         assert spec.kv.num_free_blocks == free
     assert spec.scheduler.num_preemptions > 0
     assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
+
+
+def test_each_head_proposal_is_timed_for_the_policy(target: Path, head_dir: Path) -> None:
+    """With measured costs the policy prices the head's proposals from their observed times
+    (spec/draft_cost.py): each proposal the speculator makes is one observation."""
+    config = EngineConfig(model=str(target), dtype="float32", speculation="head",
+                          draft_head=str(head_dir), measure_step_cost=True,
+                          num_kv_blocks=256, block_size=4)
+    spec = LLMEngine(config, progress=False)
+    cost = spec.draft_cost
+    assert cost is not None and spec.speculator.draft_cost is cost
+    assert spec.speculator.policy.draft_cost == cost.per_draft
+    assert spec.speculator.policy.draft_fixed_cost == cost.fixed
+    spec.speculator.policy.cost = StepCost.memory_bound()  # rows nearly free: it drafts
+    proposals = []
+    draft = spec.speculator.draft
+
+    def counted(requests: list) -> None:
+        proposals.append(len(requests))
+        draft(requests)
+
+    spec.speculator.draft = counted  # type: ignore[method-assign]
+    free = spec.kv.num_free_blocks
+    spec.generate(PROMPTS[:2], GREEDY)
+    assert proposals and cost.num_samples == min(len(proposals), 16)
+    assert spec.kv.num_free_blocks == free
 
 
 def test_sampled_requests_verify_head_chains(target: Path, head_dir: Path) -> None:
