@@ -171,6 +171,8 @@ class Speculator:
         """Drafts for this step's decoding ``requests`` (the scheduler's call): see the module
         docstring. ``rooms[i]``: most drafts request i may take; ``budget``: in all."""
         start = time.perf_counter()
+        if self.draft_cost is not None:
+            self.draft_cost.tick()
         try:
             self._plan(requests, rooms, num_plain_tokens, budget)
         finally:

@@ -60,3 +60,25 @@ def test_the_policy_stops_granting_drafts_that_cost_more_than_measured() -> None
     for _ in range(2):
         cost.observe(1, 2, 5 * cost.modeled(1, 2))
     assert policy.allocate([0.6], [4], 1, uses_draft=[True]) == [0]
+
+
+def test_ratios_are_forgotten_after_steps_without_a_proposal() -> None:
+    """Priced out, a method makes no proposals: after stale_steps steps the start-up figure
+    stands again until min_samples new proposals were timed."""
+    cost = ObservedDraftCost(PER_DRAFT, FIXED, min_samples=2, stale_steps=3)
+    for _ in range(2):
+        cost.observe(1, 1, 6 * cost.modeled(1, 1))
+    assert cost.ratio == pytest.approx(6.0)
+    for _ in range(3):
+        cost.tick()
+    assert cost.ratio == pytest.approx(6.0)  # not stale yet
+    cost.observe(1, 1, 6 * cost.modeled(1, 1))  # a proposal restarts the count
+    for _ in range(3):
+        cost.tick()
+    assert cost.ratio == pytest.approx(6.0) and cost.num_samples == 3
+    cost.tick()
+    assert cost.ratio == 1.0 and cost.num_samples == 0
+    cost.observe(1, 1, 2 * cost.modeled(1, 1))
+    assert cost.ratio == 1.0  # one new ratio: not enough yet
+    cost.observe(1, 1, 2 * cost.modeled(1, 1))
+    assert cost.ratio == pytest.approx(2.0)
