@@ -102,7 +102,7 @@ class LLMEngine:
         draft_cost, draft_fixed_cost = self._draft_cost()
         # proposals as served cost more than the warm start-up timing: priced from their
         # observed times (None: not measured, drafting free)
-        self.draft_cost = ObservedDraftCost(draft_cost, draft_fixed_cost) \
+        observed = ObservedDraftCost(draft_cost, draft_fixed_cost) \
             if draft_cost is not None else None
         step_cost = self._step_cost()
         # a measured curve is corrected by the steps' real times while serving (a busy
@@ -111,8 +111,8 @@ class LLMEngine:
             if config.measure_step_cost and config.speculation != "off" else None
         policy = SpeculationPolicy(
             self.step_cost or step_cost, config.num_speculative_tokens,
-            draft_cost=self.draft_cost.per_draft if self.draft_cost else None,
-            draft_fixed_cost=self.draft_cost.fixed if self.draft_cost else None,
+            draft_cost=observed.per_draft if observed else None,
+            draft_fixed_cost=observed.fixed if observed else None,
             rows_per_model_draft=HEAD_NODES_PER_DRAFT if self.head and not self.draft else 1)
         self.speculation = config.speculation
         if self.speculation == "auto":
@@ -131,7 +131,7 @@ class LLMEngine:
             suffix_corpus=find_corpus(config.suffix_corpus, model_fingerprint(model_dir),
                                       SHIPPED_HEADS) if config.speculation != "off" else None,
             speed_guard=SpeedGuardConfig() if config.speed_guard else None,
-            draft_cost=self.draft_cost)
+            draft_cost=observed)
         # the scheduler decides who runs with how many drafts; the speculator follows it
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.priority_aging_s,

@@ -347,13 +347,12 @@ def _verified_features(sched: SchedulerOutput, plan: StepPlan, aux: torch.Tensor
     # the caches, so a step that keeps every row of aux for one request, a plain decode
     # step, makes none: 45 -> ~20 us a step on the 2-core AVX2-only Zen 4.)
     if len(rows) == len(aux) and len(counts) == 1 and aux.device.type == "cpu":
-        parts = iter((aux,))  # rows [0, T): all of it
+        return [aux if w else None for w in wanted]  # one request, rows [0, T): all of it
+    if rows[-1] - rows[0] == len(rows) - 1:
+        gathered = aux[rows[0]:rows[-1] + 1].cpu()  # [sum(counts), 3h]
     else:
-        if rows[-1] - rows[0] == len(rows) - 1:
-            gathered = aux[rows[0]:rows[-1] + 1].cpu()  # [sum(counts), 3h]
-        else:
-            gathered = aux[torch.tensor(rows, device=aux.device)].cpu()
-        parts = iter(gathered.split(counts))
+        gathered = aux[torch.tensor(rows, device=aux.device)].cpu()
+    parts = iter(gathered.split(counts))
     return [next(parts) if w else None for w in wanted]
 
 
