@@ -16,7 +16,9 @@
  *     to bf16 (round to nearest even).
  * Every output element is computed by the same instructions in the same order whatever the
  * row count, the thread count and the instruction set (VNNI or AVX2), so a request's result
- * does not depend on its batch, on speculation or on the CPU kind.
+ * does not depend on its batch, on speculation or on the CPU kind. Where the CPU has
+ * AMX-INT8, passes of many rows take their integer sums from tile multiplies instead
+ * (cpu_q4q8_amx.h): the same integers, then the same fp32 operations in the same order.
  *
  * Layout (kernels/cpu_q4q8.py packs it; see QD_TILE): output columns in groups of 8, each
  * group's blocks interleaved column by column (per block: 4 chunks of [8 columns][4 bytes]
@@ -380,10 +382,16 @@ QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
 #include "cpu_q4q8_six.h"
 #include "cpu_q4q8_k.h"
 #include "cpu_q4q8_wide.h"
+#include "cpu_q4q8_amx.h"
 
 /* ``flags`` of the entry points: which loops run and how the weights are laid out. */
 #define QD_LOOP_VNNI 1  /* the AVX512-VNNI loops (else AVX2; the same bits) */
 #define QD_PAIRED 2     /* 4-bit weights with column groups in pairs (the header's layout) */
+#define QD_LOOP_AMX 4   /* with QD_LOOP_VNNI: the AMX loops for passes of enough rows */
+/* with QD_LOOP_AMX: the fewest rows a pass runs on the AMX loops, for paired 4-bit weights
+ * (bits 8-12) and Q8_0 ones (bits 13-17); 0: never (kernels/cpu_q4q8.py measures them) */
+#define QD_AMX_ROWS4(flags) (((flags) >> 8) & 31)
+#define QD_AMX_ROWS8(flags) (((flags) >> 13) & 31)
 
 /* y [rows, n] bf16 = x [rows, k] bf16 @ W^T. ``scratch`` holds rows * (k + 8 * k / 32) bytes
  * (the int8 rows and their block scales and sums). Returns 0, or -1 for shapes it does not
@@ -412,44 +420,63 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
     const size_t bytes = (size_t)n * groups * (kind == QD_Q4 ? 20 : kind == QD_Q4K ? 18
                                                 : kind == QD_Q6 ? 26 : 34);
     if (threads < 1 || bytes < QD_SERIAL_BYTES) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < tasks; t++) {
-        const int lo = t * QD_GROUPS_PER_TASK;
-        const int hi = lo + QD_GROUPS_PER_TASK < col_groups ? lo + QD_GROUPS_PER_TASK : col_groups;
-        for (int r0 = 0; r0 < rows; r0 += QD_MAX_ROWS) {
-            const int R = rows - r0 < QD_MAX_ROWS ? rows - r0 : QD_MAX_ROWS;
-            const int8_t* xr = xq + (size_t)r0 * k;
-            const float* sr = sx + (size_t)r0 * groups;
-            const float* ur = sumx + (size_t)r0 * groups;
-            uint16_t* yr = y + (size_t)r0 * n;
-            if (kind == QD_Q4K) {
-                columnsk_avx2(R, (const uint8_t*)codes, (const uint8_t*)d, mn, xr, sr, ur, yr,
-                              lo, hi, n, k);
-            } else if (kind == QD_Q6) {
-                columns6_avx2(R, (const uint8_t*)codes, (const int8_t*)d, mn, xr, sr, ur, yr,
-                              lo, hi, n, k);
-            } else if (kind == QD_Q8) {
-                const int8_t* c8 = (const int8_t*)codes;
-                if (vnni)
-                    columns8_vnni(R, c8, (const uint16_t*)d, xr, sr, ur, yr, lo, hi, n, k);
-                else
-                    columns8_avx2(R, c8, (const uint16_t*)d, xr, sr, ur, yr, lo, hi, n, k);
-            } else {
-                const uint8_t* c4 = (const uint8_t*)codes;
-                const uint16_t* d4 = (const uint16_t*)d;
-                if (vnni && paired)
-                    wide_vnni(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k);
-                else if (vnni)
-                    columns_vnni(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k, 0);
-                else
-                    columns_avx2(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k, paired);
+    const int amx = (flags & QD_LOOP_AMX) && vnni;
+    const int amx4 = amx && kind == QD_Q4 && paired ? QD_AMX_ROWS4(flags) : 0;
+    const int amx8 = amx && kind == QD_Q8 ? QD_AMX_ROWS8(flags) : 0;
+#pragma omp parallel num_threads(threads)
+    {
+        int tiles = 0;  /* the shapes this thread's AMX tiles have (R * 32 + columns); 0: none */
+#pragma omp for schedule(static)
+        for (int t = 0; t < tasks; t++) {
+            const int lo = t * QD_GROUPS_PER_TASK;
+            const int hi = lo + QD_GROUPS_PER_TASK < col_groups ? lo + QD_GROUPS_PER_TASK
+                                                                : col_groups;
+            for (int r0 = 0; r0 < rows; r0 += QD_MAX_ROWS) {
+                const int R = rows - r0 < QD_MAX_ROWS ? rows - r0 : QD_MAX_ROWS;
+                const int8_t* xr = xq + (size_t)r0 * k;
+                const float* sr = sx + (size_t)r0 * groups;
+                const float* ur = sumx + (size_t)r0 * groups;
+                uint16_t* yr = y + (size_t)r0 * n;
+                const int on_amx = (amx4 && R >= amx4) || (amx8 && R >= amx8);
+                if (on_amx && tiles != R * 32 + (kind == QD_Q8 ? 8 : 16)) {
+                    tiles = R * 32 + (kind == QD_Q8 ? 8 : 16);
+                    amx_configure(R, kind == QD_Q8 ? 8 : 16);
+                }
+                if (kind == QD_Q4K) {
+                    columnsk_avx2(R, (const uint8_t*)codes, (const uint8_t*)d, mn, xr, sr, ur,
+                                  yr, lo, hi, n, k);
+                } else if (kind == QD_Q6) {
+                    columns6_avx2(R, (const uint8_t*)codes, (const int8_t*)d, mn, xr, sr, ur,
+                                  yr, lo, hi, n, k);
+                } else if (kind == QD_Q8) {
+                    const int8_t* c8 = (const int8_t*)codes;
+                    const uint16_t* d8 = (const uint16_t*)d;
+                    if (on_amx)
+                        columns8_amx(R, c8, d8, xr, sr, ur, yr, lo, hi, n, k);
+                    else if (vnni)
+                        columns8_vnni(R, c8, d8, xr, sr, ur, yr, lo, hi, n, k);
+                    else
+                        columns8_avx2(R, c8, d8, xr, sr, ur, yr, lo, hi, n, k);
+                } else {
+                    const uint8_t* c4 = (const uint8_t*)codes;
+                    const uint16_t* d4 = (const uint16_t*)d;
+                    if (on_amx)
+                        wide_amx(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k);
+                    else if (vnni && paired)
+                        wide_vnni(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k);
+                    else if (vnni)
+                        columns_vnni(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k, 0);
+                    else
+                        columns_avx2(R, c4, d4, mn, xr, sr, ur, yr, lo, hi, n, k, paired);
+                }
+            }
+            if (yf) {
+                for (int r = 0; r < rows; r++)
+                    for (int c = lo * 8; c < hi * 8; c++)
+                        yf[(size_t)r * n + c] = bf16_to_f32(y[(size_t)r * n + c]);
             }
         }
-        if (yf) {
-            for (int r = 0; r < rows; r++)
-                for (int c = lo * 8; c < hi * 8; c++)
-                    yf[(size_t)r * n + c] = bf16_to_f32(y[(size_t)r * n + c]);
-        }
+        if (tiles) amx_release();
     }
     return 0;
 }

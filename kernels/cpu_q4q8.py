@@ -18,6 +18,12 @@ integers), so a request's result does not depend on its batch, on speculation or
 kind. Built with gcc on first use like the other C kernels (:mod:`kernels.cbuild`); without
 gcc or AVX2/FMA/F16C :func:`available` is False.
 
+Where the CPU has AMX-INT8 (Intel Sapphire Rapids and later) the VNNI loops hand passes of
+many rows (a prefill's 16, a batch's verification) to AMX tile multiplies
+(``cpu_q4q8_amx.h``; the same integers, so the same bits): from how many rows is measured
+once per process at load (:func:`amx_rows`), where AMX beats the VNNI loop; fewer rows stay
+on VNNI, whose per-block cost is lower (a block's tile work has a fixed latency).
+
 Where the CPU has AVX512-VNNI, :func:`pack` stores the 4-bit matrices' groups of 8 output
 columns in pairs, so that its loop takes 16 columns a 512-bit vector (``cpu_q4q8_wide.h``);
 elsewhere unpaired, which the AVX2 loop reads faster. Either layout gives the same bits on
@@ -32,7 +38,11 @@ layer matrices.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
+import logging
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,13 +53,17 @@ from quickdraft.kernels import cbuild
 
 GROUP = 32
 COLUMNS = 8  # output columns interleaved per block (one 32-bit lane each)
-LOOP_VNNI, PAIRED = 1, 2  # the kernel's flags (cpu_q4q8.c): its loop, the weights' layout
+LOOP_VNNI, PAIRED, LOOP_AMX = 1, 2, 4  # the kernel's flags (cpu_q4q8.c): loop, layout, AMX
+AMX_ROWS4_SHIFT, AMX_ROWS8_SHIFT = 8, 13  # with LOOP_AMX: fewest rows on AMX (4-bit, Q8_0)
 
 _SOURCE = Path(__file__).with_name("cpu_q4q8.c")
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC",
            "-shared")
 _CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _VNNI_FLAGS = frozenset({"avx512f", "avx512vl", "avx512_vnni"})
+_AMX_FLAGS = _VNNI_FLAGS | {"avx512bw", "amx_tile", "amx_int8"}
+_AMX_TRIAL_ROWS = (4, 6, 8, 10, 12, 16)  # pass sizes timed at load, AMX against VNNI
+log = logging.getLogger(__name__)
 _BF16 = torch.bfloat16
 
 
@@ -122,6 +136,8 @@ class _Kernels:
     vnni: int  # whether to run the VNNI loops
     q8_f32: Any  # ctypes qd_q8q8_linear_f32
     q6_f32: Any  # ctypes qd_q6q8_linear_f32
+    amx_ok: bool  # the CPU has AMX-INT8 and Linux lets this process use it
+    amx: tuple[int, int]  # fewest rows a pass runs on AMX: 4-bit, Q8_0 weights (0: never)
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,9 +155,49 @@ def _kernel() -> _Kernels | None:
     for fn, pointers in ((lib.qd_q8q8_linear_f32, 5), (lib.qd_q6q8_linear_f32, 6)):
         fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int] * 5 + [ctypes.c_void_p]
         fn.restype = ctypes.c_int
-    return _Kernels(lib.qd_q4q8_linear, lib.qd_q8q8_linear, lib.qd_q6q8_linear,
-                    lib.qd_q4kq8_linear, int(cbuild.cpu_has(_VNNI_FLAGS)),
-                    lib.qd_q8q8_linear_f32, lib.qd_q6q8_linear_f32)
+    kernels = _Kernels(lib.qd_q4q8_linear, lib.qd_q8q8_linear, lib.qd_q6q8_linear,
+                       lib.qd_q4kq8_linear, int(cbuild.cpu_has(_VNNI_FLAGS)),
+                       lib.qd_q8q8_linear_f32, lib.qd_q6q8_linear_f32, False, (0, 0))
+    if not (kernels.vnni and cbuild.cpu_has(_AMX_FLAGS)) or not lib.qd_amx_enable():
+        return kernels
+    return dataclasses.replace(kernels, amx_ok=True, amx=_amx_thresholds(kernels))
+
+
+def _amx_thresholds(kernels: _Kernels) -> tuple[int, int]:
+    """From how many rows a pass runs on AMX, for 4-bit and Q8_0 weights: ``QUICKDRAFT_AMX``
+    (``off``, or a row count for both) if set, else measured here: a SmolLM2-sized matrix of
+    each kind timed on both loops at each of _AMX_TRIAL_ROWS (arms alternating, the fastest
+    of 5), the fewest rows from which AMX is at least 3 % faster at every size timed (~30 ms
+    at load, once per process)."""
+    forced = os.environ.get("QUICKDRAFT_AMX", "").strip().lower()
+    if forced in ("off", "0"):
+        return 0, 0
+    if forced.isdigit():
+        rows = min(int(forced), 16)
+        return rows, rows
+    if forced:
+        log.warning("QUICKDRAFT_AMX=%s is neither off nor a row count; ignored", forced)
+    g = torch.Generator().manual_seed(0)
+    q4 = pack(torch.randint(0, 16, (1536, 576), generator=g), torch.rand(1536, 18, generator=g),
+              torch.rand(1536, 18, generator=g), paired=True)
+    q8 = pack_q8(torch.randint(-127, 128, (4096, 576), generator=g),
+                 torch.rand(4096, 18, generator=g))
+    found = []
+    for weight, shift in ((q4, AMX_ROWS4_SHIFT), (q8, AMX_ROWS8_SHIFT)):
+        wins = []
+        for rows in _AMX_TRIAL_ROWS:
+            x = torch.randn(rows, 576, generator=g).bfloat16()
+            best = [float("inf"), float("inf")]
+            for _ in range(5):
+                for arm, flags in enumerate((0, LOOP_AMX | 1 << shift)):
+                    start = time.perf_counter()
+                    _call(kernels, x, weight, _flags(1, weight is q4) | flags)
+                    best[arm] = min(best[arm], time.perf_counter() - start)
+            wins.append(best[1] < 0.97 * best[0])
+        first = next((i for i in range(len(wins)) if all(wins[i:])), None)
+        found.append(0 if first is None else _AMX_TRIAL_ROWS[first])
+    log.info("AMX loops from %d rows (4-bit) and %d rows (Q8_0); 0: never", *found)
+    return found[0], found[1]
 
 
 def available() -> bool:
@@ -166,8 +222,24 @@ def pairs_columns() -> bool:
     return uses_vnni()
 
 
-def _flags(vnni: int, paired: bool) -> int:
-    return vnni * LOOP_VNNI | (PAIRED if paired else 0)
+def uses_amx() -> bool:
+    """Whether the AMX loops can run here (AMX-INT8, and Linux grants the tile state)."""
+    kernel = _kernel()
+    return bool(kernel and kernel.amx_ok)
+
+
+def amx_rows() -> tuple[int, int]:
+    """From how many rows a pass runs on AMX here, for 4-bit and for Q8_0 weights (0: never;
+    (0, 0) where :func:`uses_amx` is False)."""
+    kernel = _kernel()
+    return kernel.amx if kernel else (0, 0)
+
+
+def _flags(vnni: int, paired: bool, amx: tuple[int, int] = (0, 0)) -> int:
+    flags = vnni * LOOP_VNNI | (PAIRED if paired else 0)
+    if vnni and any(amx):
+        flags |= LOOP_AMX | amx[0] << AMX_ROWS4_SHIFT | amx[1] << AMX_ROWS8_SHIFT
+    return flags
 
 
 def native_entry_points() -> tuple[int, int, int] | None:
@@ -202,7 +274,7 @@ def native_flags(vnni: bool | None = None) -> int:
     kernel = _kernel()
     if kernel is None:
         return 0
-    return _flags(kernel.vnni if vnni is None else int(vnni), pairs_columns())
+    return _flags(kernel.vnni if vnni is None else int(vnni), pairs_columns(), kernel.amx)
 
 
 def supports(out_features: int, in_features: int) -> bool:
@@ -367,34 +439,50 @@ def scratch_bytes(rows: int, in_features: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8Weight, *,
-           vnni: bool | None = None, float_out: bool = False) -> torch.Tensor:
+           vnni: bool | None = None, amx_rows: int | None = None,
+           float_out: bool = False) -> torch.Tensor:
     """``x @ w.T``: x ``[rows, in]`` (any float dtype; read as bf16) -> ``[rows, out]`` in
     x's dtype. ``vnni`` forces the inner loop (None: VNNI where the CPU has it; False runs
     the AVX2 loop of the other CPU kind; Q6_K and Q4_K weights have one loop, AVX2, which
-    takes the VNNI flag on any CPU). ``float_out``: fp32 instead, the same values as the
-    bf16 result's ``.float()`` (an LM head's logits), converted by the kernel's threads as
-    they finish each column range (Q8_0 and Q6_K weights; others convert afterwards).
-    Raises RuntimeError when the kernel is unavailable (check :func:`available`)."""
+    takes the VNNI flag on any CPU). ``amx_rows`` (with the VNNI loop): from how many rows a
+    pass runs on AMX (None: :func:`amx_rows`; 0: never). ``float_out``: fp32 instead, the
+    same values as the bf16 result's ``.float()`` (an LM head's logits), converted by the
+    kernel's threads as they finish each column range (Q8_0 and Q6_K weights; others
+    convert afterwards). Raises RuntimeError when the kernel is unavailable (check
+    :func:`available`)."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError("the q4q8 kernel is not available: "
                            f"{cbuild.status().get('cpu_q4q8', 'not loaded')}")
     if vnni and not kernel.vnni and not isinstance(weight, Q6Q8Weight | Q4KQ8Weight):
         raise RuntimeError("this CPU has no AVX512-VNNI")
+    if amx_rows and not kernel.amx_ok:
+        raise RuntimeError("this CPU (or its Linux) has no AMX-INT8")
     use_vnni = kernel.vnni if vnni is None else int(vnni)
+    amx = kernel.amx if amx_rows is None else (amx_rows, amx_rows)
     xb = (x if x.dtype is _BF16 else x.to(_BF16)).contiguous()
-    rows = xb.numel() // weight.in_features
     if xb.shape[-1] != weight.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a [{weight.out_features}, "
                          f"{weight.in_features}] weight")
+    paired = isinstance(weight, Q4Q8Weight) and weight.paired
+    y = _call(kernel, xb.view(-1, weight.in_features), weight,
+              _flags(use_vnni, paired, amx), float_out)
+    y = y if x.dim() == 2 else y.view(*x.shape[:-1], weight.out_features)
     out_dtype = torch.float32 if float_out else x.dtype
+    return y if y.dtype is out_dtype else y.to(out_dtype)
+
+
+def _call(kernel: _Kernels, xb: torch.Tensor,
+          weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8Weight, flags: int,
+          float_out: bool = False) -> torch.Tensor:
+    """The kernel on bf16 ``xb [rows, in]`` (contiguous) with ``flags``: bf16 ``[rows, out]``,
+    or fp32 with ``float_out`` for Q8_0 and Q6_K weights (others: bf16 still)."""
+    rows = xb.shape[0]
     y = torch.empty(rows, weight.out_features, dtype=_BF16)
     if rows == 0:  # (a step that samples no row: the LM head gets none)
-        return y.view(*x.shape[:-1], weight.out_features).to(out_dtype)
+        return y
     scratch = torch.empty(scratch_bytes(rows, weight.in_features), dtype=torch.uint8)
-    paired = isinstance(weight, Q4Q8Weight) and weight.paired
-    shape = (rows, weight.out_features, weight.in_features, torch.get_num_threads(),
-             _flags(use_vnni, paired))
+    shape = (rows, weight.out_features, weight.in_features, torch.get_num_threads(), flags)
     yf: torch.Tensor | None = None
     if float_out and isinstance(weight, Q8Q8Weight | Q6Q8Weight):
         yf = torch.empty(rows, weight.out_features, dtype=torch.float32)
@@ -420,7 +508,4 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8
     if rc != 0:
         raise ValueError(f"q4q8 kernel rejected shapes rows={rows} out="
                          f"{weight.out_features} in={weight.in_features}")
-    if yf is not None:
-        y = yf
-    y = y if x.dim() == 2 else y.view(*x.shape[:-1], weight.out_features)
-    return y if y.dtype is out_dtype else y.to(out_dtype)
+    return y if yf is None else yf

@@ -97,10 +97,12 @@ def assert_matches_q8_reference(y: torch.Tensor, x: torch.Tensor,
 
 
 def assert_rows_threads_and_isa_agree(linear: Callable[..., torch.Tensor], weight: Any,
-                                      x: torch.Tensor, uses_vnni: bool) -> None:
+                                      x: torch.Tensor, uses_vnni: bool,
+                                      uses_amx: bool = False) -> None:
     """Each row of ``linear(x, weight)`` is computed alone: its bits do not depend on the
     other rows (1..len(x) of them, crossing the 16-row passes), the thread count, or the
-    VNNI loop against the AVX2 one (``vnni=False``: the other CPU kind's)."""
+    VNNI loop against the AVX2 one (``vnni=False``: the other CPU kind's) and the AMX loops
+    (``amx_rows``, where ``uses_amx``)."""
     alone = torch.cat([linear(x[i:i + 1], weight) for i in range(len(x))])
     for rows in sorted({2, 8, 9, 16, min(17, len(x)), len(x)}):
         assert torch.equal(linear(x[:rows], weight), alone[:rows])
@@ -113,3 +115,6 @@ def assert_rows_threads_and_isa_agree(linear: Callable[..., torch.Tensor], weigh
     assert torch.equal(linear(x, weight, vnni=False), alone)
     if uses_vnni:
         assert torch.equal(linear(x, weight, vnni=True), alone)
+    if uses_amx:  # every pass on AMX, and none (the loops the measured threshold mixes)
+        for amx_rows in (1, 0):
+            assert torch.equal(linear(x, weight, amx_rows=amx_rows), alone)

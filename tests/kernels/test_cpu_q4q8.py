@@ -49,7 +49,8 @@ def test_rows_threads_instruction_sets_and_layouts_give_the_same_bits(out, paire
     x = torch.randn(17, 1536, generator=torch.Generator().manual_seed(1)).bfloat16()
     w = cpu_q4q8.pack(q, d, m, paired=paired)
     assert w.paired == paired and cpu_q4q8.pack(q, d, m).paired == cpu_q4q8.pairs_columns()
-    assert_rows_threads_and_isa_agree(cpu_q4q8.linear, w, x, cpu_q4q8.uses_vnni())
+    assert_rows_threads_and_isa_agree(cpu_q4q8.linear, w, x, cpu_q4q8.uses_vnni(),
+                                      cpu_q4q8.uses_amx())
     assert torch.equal(cpu_q4q8.linear(x, w),
                        cpu_q4q8.linear(x, cpu_q4q8.pack(q, d, m, paired=not paired)))
 
@@ -65,6 +66,8 @@ def test_zero_and_extreme_activations():
     assert torch.equal(y[0], torch.zeros(16, dtype=torch.bfloat16))
     ref = _q8_reference(x) @ _dense(q, d, m).t()
     torch.testing.assert_close(y.double(), ref, rtol=2 ** -8, atol=0.0)
+    if cpu_q4q8.uses_amx():
+        assert torch.equal(cpu_q4q8.linear(x, w, amx_rows=1), y)
 
 
 def test_fp32_input_and_leading_dims():
@@ -74,6 +77,22 @@ def test_fp32_input_and_leading_dims():
     y = cpu_q4q8.linear(x, w)
     assert y.shape == (2, 3, 32) and y.dtype == torch.float32
     assert torch.equal(y.view(6, 32), cpu_q4q8.linear(x.view(6, 64).bfloat16(), w).float())
+
+
+def test_amx_thresholds_are_measured_or_forced(monkeypatch):
+    """Where AMX runs, from how many rows is measured at load (1..16, or 0: never) or set by
+    QUICKDRAFT_AMX; elsewhere nothing runs on it and asking for it is refused."""
+    if not cpu_q4q8.uses_amx():
+        assert cpu_q4q8.amx_rows() == (0, 0)
+        with pytest.raises(RuntimeError, match="AMX"):
+            cpu_q4q8.linear(torch.zeros(1, 64), cpu_q4q8.pack(*_weights(8, 64, seed=1)),
+                            amx_rows=1)
+        return
+    assert all(rows in (0, 4, 6, 8, 10, 12, 16) for rows in cpu_q4q8.amx_rows())
+    kernel = cpu_q4q8._kernel()
+    for value, want in (("off", (0, 0)), ("8", (8, 8)), ("40", (16, 16))):
+        monkeypatch.setenv("QUICKDRAFT_AMX", value)
+        assert cpu_q4q8._amx_thresholds(kernel) == want
 
 
 def test_bad_shapes_are_refused():

@@ -57,7 +57,8 @@ def test_rows_threads_and_instruction_sets_give_the_same_bits(fmt):
     x = torch.randn(17, 576, generator=torch.Generator().manual_seed(2)).bfloat16()
     # Q6_K: one loop on both kinds, so the VNNI flag an AVX512 machine passes runs here too
     assert_rows_threads_and_isa_agree(cpu_q4q8.linear, pack(make(256, 576, 3)), x,
-                                      cpu_q4q8.uses_vnni() or fmt == "q6_k")
+                                      cpu_q4q8.uses_vnni() or fmt == "q6_k",
+                                      cpu_q4q8.uses_amx())
 
 
 def test_extreme_codes_do_not_saturate():
@@ -72,6 +73,9 @@ def test_extreme_codes_do_not_saturate():
     want = torch.tensor([[128.0 * k] * 4 + [-127.0 * k] * 4])  # isum / 127, exact in bf16
     for vnni in ((False, True) if cpu_q4q8.uses_vnni() else (False,)):
         y = cpu_q4q8.linear(x, packed, vnni=vnni).float()
+        torch.testing.assert_close(y, want.bfloat16().float(), rtol=0, atol=0)
+    if cpu_q4q8.uses_amx():
+        y = cpu_q4q8.linear(x, packed, amx_rows=1).float()
         torch.testing.assert_close(y, want.bfloat16().float(), rtol=0, atol=0)
 
 
@@ -108,6 +112,9 @@ def test_float_output_is_the_bf16_result_as_fp32(fmt, threads):
                 assert torch.equal(y, cpu_q4q8.linear(x, packed, vnni=vnni).float())
                 assert torch.equal(cpu_q4q8.linear(x.view(1, rows, 576), packed, vnni=vnni,
                                                    float_out=True), y.view(1, rows, 1024))
+            if cpu_q4q8.uses_amx():
+                assert torch.equal(cpu_q4q8.linear(x, packed, amx_rows=1, float_out=True),
+                                   cpu_q4q8.linear(x, packed, amx_rows=0).float())
     finally:
         torch.set_num_threads(before)
     assert cpu_q4q8.linear(torch.zeros(0, 576), packed, float_out=True).dtype == torch.float32
