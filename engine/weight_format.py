@@ -49,8 +49,14 @@ class WeightChoice:
     native_layers: int = 0  # decoder layers run in one native call each (kernels.cpu_layer)
 
     def describe(self) -> dict[str, Any]:
-        return {"format": self.format, "int4_layers": self.int4_layers,
-                "native_layers": self.native_layers, "reason": self.reason}
+        described = {"format": self.format, "int4_layers": self.int4_layers,
+                     "native_layers": self.native_layers, "reason": self.reason}
+        if self.format == "int4-q8":
+            from quickdraft.kernels import cpu_q4q8
+
+            # from how many rows a pass runs on AMX tiles (4-bit, Q8_0); (0, 0): never
+            described["amx_rows"] = list(cpu_q4q8.amx_rows())
+        return described
 
 
 def gguf_source(model_dir: Path | None) -> Path | None:

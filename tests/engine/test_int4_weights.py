@@ -38,6 +38,11 @@ def test_int4_is_chosen_and_reported(int4_engine):
     assert w["format"] == int4_engine.config.weights
     assert w["int4_layers"] == 4 * 30  # qkv, o, gate_up, down
     assert w["native_layers"] == 30
+    # int4-q8 says from how many rows its passes run on AMX tiles ([0, 0]: never, no AMX)
+    assert ("amx_rows" in w) == (w["format"] == "int4-q8")
+    if "amx_rows" in w:
+        assert w["amx_rows"] == list(cpu_q4q8.amx_rows())
+        assert cpu_q4q8.uses_amx() or w["amx_rows"] == [0, 0]
     # int4-q8 also runs the LM head on the file's Q8_0 blocks (the tied embedding)
     head = int4_engine.runner.model.lm_head
     assert isinstance(head.int4, cpu_q4q8.Q8Q8Weight) == (w["format"] == "int4-q8")
