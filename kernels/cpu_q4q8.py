@@ -167,7 +167,7 @@ def _amx_thresholds(kernels: _Kernels) -> tuple[int, int]:
     """From how many rows a pass runs on AMX, for 4-bit and Q8_0 weights: ``QUICKDRAFT_AMX``
     (``off``, or a row count for both) if set, else measured here: a SmolLM2-sized matrix of
     each kind timed on both loops at each of _AMX_TRIAL_ROWS (arms alternating, the fastest
-    of 5), the fewest rows from which AMX is at least 3 % faster at every size timed (~30 ms
+    of 5), the fewest rows from which AMX is at least 3 % faster at every size timed (~40 ms
     at load, once per process)."""
     forced = os.environ.get("QUICKDRAFT_AMX", "").strip().lower()
     if forced in ("off", "0"):
