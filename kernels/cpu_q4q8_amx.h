@@ -33,9 +33,9 @@
  * tiles 0-2, set 1 tiles 3-5; the weights' and isum's widths are those of the loop's
  * columns, 16 (4-bit pairs) or 8 (Q8_0). One block at a time, unpacking each block just
  * before its tile load and reading its isums right after the tile store, the 4-bit loop
- * took ~130 cycles a block at 1 row on the 2-core AMX Xeon VM (4x the VNNI loop); unpacking
- * a batch of blocks first, two sets, and the next batch's tile work before this one's fp32
- * part: ~65 (docs/kernels.md). */
+ * took ~130 cycles a block at 1 row on the 2-core AMX Xeon VM (4x the VNNI loop); with two
+ * sets ~90, and unpacking a batch of blocks before any of their tile loads ~65
+ * (docs/kernels.md). */
 #define QD_AMX_BATCH 8  /* blocks whose isums are computed before their fp32 part runs */
 
 typedef struct {
@@ -119,10 +119,11 @@ static inline __attribute__((always_inline)) QD_AMX void amx_isums(
     }
 }
 
-/* amx_isums for the batch of blocks from g0 (none when g0 >= groups). Its loops run batch
+/* amx_isums for the batch of blocks from g0 (none when g0 >= groups). Its callers issue batch
  * b + 1's tile work before batch b's fp32 part reads batch b's isums from the other half of
- * a [2][QD_AMX_BATCH][R][columns] buffer: a tile store's data is not forwarded to vector
- * loads, they wait for it. */
+ * a [2][QD_AMX_BATCH][R][columns] buffer, so that the tile stores have landed by then (on
+ * this VM it measured the same as computing each batch's isums just before its fp32 part:
+ * kept for machines where a tile store's data reaches vector loads late). */
 static inline __attribute__((always_inline)) QD_AMX void amx_batch(
         const int R, const int columns, const int unpack, const uint8_t* cb, const int8_t* xq,
         int k, int groups, int g0, int32_t* isum) {
