@@ -438,9 +438,10 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
                 const float* ur = sumx + (size_t)r0 * groups;
                 uint16_t* yr = y + (size_t)r0 * n;
                 const int on_amx = (amx4 && R >= amx4) || (amx8 && R >= amx8);
-                if (on_amx && tiles != R * 32 + (kind == QD_Q8 ? 8 : 16)) {
-                    tiles = R * 32 + (kind == QD_Q8 ? 8 : 16);
-                    amx_configure(R, kind == QD_Q8 ? 8 : 16);
+                const int columns = kind == QD_Q8 ? 8 : 16;  /* an AMX tile multiply's */
+                if (on_amx && tiles != R * 32 + columns) {
+                    tiles = R * 32 + columns;
+                    amx_configure(R, columns);
                 }
                 if (kind == QD_Q4K) {
                     columnsk_avx2(R, (const uint8_t*)codes, (const uint8_t*)d, mn, xr, sr, ur,

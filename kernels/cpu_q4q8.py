@@ -142,7 +142,8 @@ class _Kernels:
 
 @functools.lru_cache(maxsize=1)
 def _kernel() -> _Kernels | None:
-    """The library's two entry points and whether to use their VNNI loops."""
+    """The library's entry points, whether to use their VNNI loops, and whether and from how
+    many rows their AMX loops run (measured here once: :func:`_amx_thresholds`)."""
     lib = cbuild.load("cpu_q4q8", _SOURCE, _CFLAGS, _CPU_FLAGS)
     if lib is None:
         return None

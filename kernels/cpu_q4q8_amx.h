@@ -87,18 +87,24 @@ static QD_AMX void amx_release(void) { _tile_release(); }
         _tile_stored(TC, out, 4 * (columns));                                              \
     } while (0)
 
-/* Blocks [g0, g0 + nb) (nb <= QD_AMX_BATCH) of one column range: their isums into
- * isum [nb][R][columns], two blocks at a time on the two tile sets; ``unpack`` (4-bit) first
- * writes each block's codes (0..15) to wt in the weights tile's layout. */
-static inline __attribute__((always_inline)) QD_AMX void amx_isums(
-        const int R, const int columns, const int unpack, const uint8_t* cb, int block_bytes,
-        const int8_t* xq, int k, int g0, int nb, int32_t* isum) {
+/* The batch of blocks from g0 (at most QD_AMX_BATCH; none when g0 >= groups) of one column
+ * range, whose blocks are 256 bytes apart (a 4-bit pair's or a Q8_0 group's): their isums
+ * into isum [nb][R][columns], two blocks at a time on the two tile sets; ``unpack`` (4-bit)
+ * first writes every block's codes (0..15) to wt in the weights tile's layout. Its callers
+ * issue batch b + 1's tile work before batch b's fp32 part reads batch b's isums from the
+ * other half of a [2][QD_AMX_BATCH][R][columns] buffer, so that the tile stores have landed
+ * by then (on this VM it measured the same as computing each batch's isums just before its
+ * fp32 part: kept for machines where a tile store's data reaches vector loads late). */
+static inline __attribute__((always_inline)) QD_AMX void amx_batch(
+        const int R, const int columns, const int unpack, const uint8_t* cb, const int8_t* xq,
+        int k, int groups, int g0, int32_t* isum) {
+    const int nb = groups - g0 < QD_AMX_BATCH ? groups - g0 : QD_AMX_BATCH;
     _Alignas(64) uint8_t wt[QD_AMX_BATCH][8 * 64];
     const uint8_t* w[QD_AMX_BATCH];
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int i = 0; i < nb; i++) {
-        const uint8_t* src = cb + (size_t)(g0 + i) * block_bytes;
-        prefetch_ahead(src, block_bytes, unpack ? QD_AHEAD_4BIT : QD_AHEAD_8BIT);
+        const uint8_t* src = cb + (size_t)(g0 + i) * 256;
+        prefetch_ahead(src, 256, unpack ? QD_AHEAD_4BIT : QD_AHEAD_8BIT);
         w[i] = src;
         if (unpack) {  /* (all the batch's stores before any tile load reads them) */
             for (int j = 0; j < 4; j++) {
@@ -117,19 +123,6 @@ static inline __attribute__((always_inline)) QD_AMX void amx_isums(
         if (i + 1 < nb)
             QD_AMX_BLOCK(3, 4, 5, !unpack, x0 + 32, k, w[i + 1], columns, out0 + R * columns);
     }
-}
-
-/* amx_isums for the batch of blocks from g0 (none when g0 >= groups). Its callers issue batch
- * b + 1's tile work before batch b's fp32 part reads batch b's isums from the other half of
- * a [2][QD_AMX_BATCH][R][columns] buffer, so that the tile stores have landed by then (on
- * this VM it measured the same as computing each batch's isums just before its fp32 part:
- * kept for machines where a tile store's data reaches vector loads late). */
-static inline __attribute__((always_inline)) QD_AMX void amx_batch(
-        const int R, const int columns, const int unpack, const uint8_t* cb, const int8_t* xq,
-        int k, int groups, int g0, int32_t* isum) {
-    if (g0 < groups)
-        amx_isums(R, columns, unpack, cb, 256, xq, k, g0,
-                  groups - g0 < QD_AMX_BATCH ? groups - g0 : QD_AMX_BATCH, isum);
 }
 
 /* 4-bit weights: groups cg (even) and cg + 1, R rows (tile16_vnni's arithmetic). */
