@@ -447,8 +447,9 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
                     columnsk_avx2(R, (const uint8_t*)codes, (const uint8_t*)d, mn, xr, sr, ur,
                                   yr, lo, hi, n, k);
                 } else if (kind == QD_Q6) {
-                    columns6_avx2(R, (const uint8_t*)codes, (const int8_t*)d, mn, xr, sr, ur,
-                                  yr, lo, hi, n, k);
+                    (vnni ? columns6_vnni : columns6_avx2)(R, (const uint8_t*)codes,
+                                                           (const int8_t*)d, mn, xr, sr, ur,
+                                                           yr, lo, hi, n, k);
                 } else if (kind == QD_Q8) {
                     const int8_t* c8 = (const int8_t*)codes;
                     const uint16_t* d8 = (const uint16_t*)d;

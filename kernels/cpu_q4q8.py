@@ -444,8 +444,8 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8
            float_out: bool = False) -> torch.Tensor:
     """``x @ w.T``: x ``[rows, in]`` (any float dtype; read as bf16) -> ``[rows, out]`` in
     x's dtype. ``vnni`` forces the inner loop (None: VNNI where the CPU has it; False runs
-    the AVX2 loop of the other CPU kind; Q6_K and Q4_K weights have one loop, AVX2, which
-    takes the VNNI flag on any CPU). ``amx_rows`` (with the VNNI loop): from how many rows a
+    the AVX2 loop of the other CPU kind; Q4_K weights have one loop, AVX2, which takes the
+    VNNI flag on any CPU). ``amx_rows`` (with the VNNI loop): from how many rows a
     pass runs on AMX (None: :func:`amx_rows`; 0: never). ``float_out``: fp32 instead, the
     same values as the bf16 result's ``.float()`` (an LM head's logits), converted by the
     kernel's threads as they finish each column range (Q8_0 and Q6_K weights; others
@@ -455,7 +455,7 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8
     if kernel is None:
         raise RuntimeError("the q4q8 kernel is not available: "
                            f"{cbuild.status().get('cpu_q4q8', 'not loaded')}")
-    if vnni and not kernel.vnni and not isinstance(weight, Q6Q8Weight | Q4KQ8Weight):
+    if vnni and not kernel.vnni and not isinstance(weight, Q4KQ8Weight):
         raise RuntimeError("this CPU has no AVX512-VNNI")
     if amx_rows and not kernel.amx_ok:
         raise RuntimeError("this CPU (or its Linux) has no AMX-INT8")
