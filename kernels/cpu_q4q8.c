@@ -148,22 +148,26 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const void* blo
         _mm_prefetch((const char*)block + ahead + i, _MM_HINT_T0);
 }
 
-/* Where 4-bit column group cg's blocks are (the layout in the header): its first chunk and
- * scales, and the strides between blocks and between chunks. */
+/* Where column group cg's blocks are (the layouts in the header and cpu_q4q8_six.h), for
+ * weights whose one group's block is ``block_bytes`` of codes (32-byte chunks) and 8 scales of
+ * each kind: its first chunk and scales, and the strides between blocks and between chunks. */
 typedef struct {
-    size_t code0, scale0;  /* offsets of block 0's first chunk (bytes) and scales (fp16s) */
-    int block, chunk, scales;  /* strides: bytes per block and per chunk, fp16s per block */
+    size_t first;  /* column groups stored before its own (or its pair's) */
+    int lane;      /* 0, or 1 for the second group of a pair: 8 columns into each chunk */
+    size_t code0, scale0;  /* offsets of block 0's first chunk (bytes) and scales (values) */
+    int block, chunk, scales;  /* strides: bytes per block and per chunk, values per block */
 } GroupAt;
 
 static inline __attribute__((always_inline)) GroupAt group_at(int cg, int col_groups,
-                                                              int groups, int paired) {
-    const int block_bytes = 128;  /* one group's codes a block */
+                                                              int groups, int paired,
+                                                              int block_bytes) {
     /* unpaired weights, or the odd last group of paired ones */
     const int alone = !paired || (cg == col_groups - 1 && col_groups % 2);
-    const size_t first = (size_t)(alone ? cg : cg & ~1) * groups;  /* blocks before it */
     GroupAt at;
-    at.code0 = first * block_bytes + (alone ? 0 : (cg & 1) * 32);
-    at.scale0 = first * 8 + (alone ? 0 : (cg & 1) * 8);
+    at.first = (size_t)(alone ? cg : cg & ~1);
+    at.lane = alone ? 0 : cg & 1;
+    at.code0 = at.first * groups * block_bytes + at.lane * 32;
+    at.scale0 = at.first * groups * 8 + at.lane * 8;
     at.block = alone ? block_bytes : 2 * block_bytes;
     at.chunk = alone ? 32 : 64;
     at.scales = alone ? 8 : 16;
@@ -210,7 +214,7 @@ static inline __attribute__((always_inline)) QD_AVX2 void unpack4(const uint8_t*
         const int groups = k / 32;                                                         \
         __m256 acc[QD_MAX_ROWS];                                                           \
         for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                          \
-        const GroupAt at = group_at(cg, n / 8, groups, paired);                            \
+        const GroupAt at = group_at(cg, n / 8, groups, paired, 128);                       \
         const uint8_t* cb = codes + at.code0;                                              \
         const uint16_t* db = d + at.scale0;                                                \
         const uint16_t* mb = mn + at.scale0;                                               \
@@ -379,14 +383,14 @@ QD_TILE8(tile8_vnni, QD_VNNI, QD_UNSIGNED8, dot8s_vnni)
 QD_COLUMNS8(columns8_avx2, QD_AVX2, tile8_avx2)
 QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
 
+#include "cpu_q4q8_wide.h"
 #include "cpu_q4q8_six.h"
 #include "cpu_q4q8_k.h"
-#include "cpu_q4q8_wide.h"
 #include "cpu_q4q8_amx.h"
 
 /* ``flags`` of the entry points: which loops run and how the weights are laid out. */
 #define QD_LOOP_VNNI 1  /* the AVX512-VNNI loops (else AVX2; the same bits) */
-#define QD_PAIRED 2     /* 4-bit weights with column groups in pairs (the header's layout) */
+#define QD_PAIRED 2     /* 4- or 6-bit weights, column groups in pairs (the header's layout) */
 #define QD_LOOP_AMX 4   /* with QD_LOOP_VNNI: the AMX loops for passes of enough rows */
 /* with QD_LOOP_AMX: the fewest rows a pass runs on the AMX loops, for paired 4-bit weights
  * (bits 8-12) and Q8_0 ones (bits 13-17); 0: never (kernels/cpu_q4q8.py measures them) */
@@ -395,9 +399,10 @@ QD_COLUMNS8(columns8_vnni, QD_VNNI, tile8_vnni)
 
 /* y [rows, n] bf16 = x [rows, k] bf16 @ W^T. ``scratch`` holds rows * (k + 8 * k / 32) bytes
  * (the int8 rows and their block scales and sums). Returns 0, or -1 for shapes it does not
- * take (k % 32 != 0, n < 1, rows < 1; only 4-bit weights paired; Q4_K ones need
- * k % 256 == 0). VNNI on paired 4-bit weights runs 16 columns a vector (cpu_q4q8_wide.h);
- * everything else the 8-column loops, which read either 4-bit layout. */
+ * take (k % 32 != 0, n < 1, rows < 1; only 4- and 6-bit weights paired; Q4_K ones need
+ * k % 256 == 0). VNNI on paired 4- or 6-bit weights runs 16 columns a vector
+ * (cpu_q4q8_wide.h, cpu_q4q8_six.h); everything else the 8-column loops, which read either
+ * layout. */
 enum { QD_Q4 = 0, QD_Q8 = 1, QD_Q6 = 2, QD_Q4K = 3 };  /* linear_any's weight kinds */
 
 /* ``yf`` (may be NULL): also y's values as fp32 [rows, n] (exact: bf16 -> fp32), each
@@ -406,7 +411,7 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
                       const uint16_t* mn, int kind, uint16_t* y, float* yf, int rows, int n,
                       int k, int threads, int flags, void* scratch) {
     const int vnni = flags & QD_LOOP_VNNI, paired = (flags & QD_PAIRED) != 0;
-    if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32 || (kind != QD_Q4 && paired)
+    if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32 || (kind != QD_Q4 && kind != QD_Q6 && paired)
         || (kind == QD_Q4K && k % 256))
         return -1;
     const int groups = k / 32;
@@ -447,9 +452,13 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
                     columnsk_avx2(R, (const uint8_t*)codes, (const uint8_t*)d, mn, xr, sr, ur,
                                   yr, lo, hi, n, k);
                 } else if (kind == QD_Q6) {
-                    (vnni ? columns6_vnni : columns6_avx2)(R, (const uint8_t*)codes,
-                                                           (const int8_t*)d, mn, xr, sr, ur,
-                                                           yr, lo, hi, n, k);
+                    const uint8_t* c6 = (const uint8_t*)codes;
+                    const int8_t* s6 = (const int8_t*)d;
+                    if (vnni && paired)
+                        wide6_vnni(R, c6, s6, mn, xr, sr, ur, yr, lo, hi, n, k);
+                    else
+                        (vnni ? columns6_vnni : columns6_avx2)(R, c6, s6, mn, xr, sr, ur, yr,
+                                                               lo, hi, n, k, paired);
                 } else if (kind == QD_Q8) {
                     const int8_t* c8 = (const int8_t*)codes;
                     const uint16_t* d8 = (const uint16_t*)d;
@@ -504,13 +513,12 @@ int qd_q8q8_linear_f32(const uint16_t* x, const int8_t* codes, const uint16_t* d
     return linear_any(x, codes, d, NULL, QD_Q8, y, yf, rows, n, k, threads, flags, scratch);
 }
 
-/* Q6_K weights (the layout in cpu_q4q8_six.h: sc in d's place, d in mn's); same scratch; the
- * AVX2 loop whatever flags. */
+/* Q6_K weights (the layout in cpu_q4q8_six.h: sc in d's place, d in mn's; paired or not, as
+ * 4-bit ones); same scratch. */
 int qd_q6q8_linear(const uint16_t* x, const uint8_t* codes, const int8_t* sc,
                    const uint16_t* d, uint16_t* y, int rows, int n, int k, int threads,
                    int flags, void* scratch) {
-    return linear_any(x, codes, sc, d, QD_Q6, y, NULL, rows, n, k, threads,
-                      flags & ~QD_PAIRED, scratch);
+    return linear_any(x, codes, sc, d, QD_Q6, y, NULL, rows, n, k, threads, flags, scratch);
 }
 
 /* qd_q6q8_linear with qd_q8q8_linear_f32's fp32 copy of the result. */
@@ -518,8 +526,7 @@ int qd_q6q8_linear_f32(const uint16_t* x, const uint8_t* codes, const int8_t* sc
                        const uint16_t* d, uint16_t* y, float* yf, int rows, int n, int k,
                        int threads, int flags, void* scratch) {
     if (!yf) return -1;
-    return linear_any(x, codes, sc, d, QD_Q6, y, yf, rows, n, k, threads, flags & ~QD_PAIRED,
-                      scratch);
+    return linear_any(x, codes, sc, d, QD_Q6, y, yf, rows, n, k, threads, flags, scratch);
 }
 
 /* Q4_K weights with the file's own scales (the layout in cpu_q4q8_k.h: sm in d's place, dd in

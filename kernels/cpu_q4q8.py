@@ -24,15 +24,15 @@ many rows (a prefill's 16, a batch's verification) to AMX tile multiplies
 once per process at load (:func:`amx_rows`), where AMX beats the VNNI loop; fewer rows stay
 on VNNI, whose per-block cost is lower (a block's tile work has a fixed latency).
 
-Where the CPU has AVX512-VNNI, :func:`pack` stores the 4-bit matrices' groups of 8 output
-columns in pairs, so that its loop takes 16 columns a 512-bit vector (``cpu_q4q8_wide.h``);
-elsewhere unpaired, which the AVX2 loop reads faster. Either layout gives the same bits on
-either loop (``Q4Q8Weight.paired`` tells the kernel which it reads).
+Where the CPU has AVX512-VNNI, :func:`pack` and :func:`pack_q6` store the 4- and 6-bit
+matrices' groups of 8 output columns in pairs, so that their loops take 16 columns a 512-bit
+vector (``cpu_q4q8_wide.h``, ``cpu_q4q8_six.h``); elsewhere unpaired, which the AVX2 loops
+read faster. Either layout gives the same bits on either loop (the weight's ``paired`` tells
+the kernel which it reads).
 
 LM heads run on the file's own 8-bit (``Q8_0``, :func:`pack_q8`) or 6-bit (``Q6_K``, codes
--32..31 with an int8 scale per 16 weights and an fp16 one per 256, :func:`pack_q6`; the
-AVX2 loop on every CPU kind) blocks against the same 8-bit rows of ``x``, and so do Q6_K
-layer matrices.
+-32..31 with an int8 scale per 16 weights and an fp16 one per 256, :func:`pack_q6`) blocks
+against the same 8-bit rows of ``x``, and so do Q6_K layer matrices.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class Q6Q8Weight:
     d: torch.Tensor  # [out/8, ceil(in/256), 8] fp16 (group, super-block, column)
     out_features: int
     in_features: int
+    paired: bool  # column groups stored in pairs, as Q4Q8Weight's (else each alone)
 
 
 @dataclass(frozen=True)
@@ -256,16 +257,16 @@ def native_entry_points() -> tuple[int, int, int] | None:
 
 def native_parts(weight: Q4Q8Weight | Q6Q8Weight | Q4KQ8Weight,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For :mod:`kernels.cpu_layer`: (codes, d, m) of a 4-bit weight packed the default way
-    (the layout :func:`native_flags` tells the op), (codes, sc, d) of a 6-bit one or
+    """For :mod:`kernels.cpu_layer`: (codes, d, m) of a 4-bit weight or (codes, sc, d) of a
+    6-bit one, packed the default way (the layout :func:`native_flags` tells the op), or
     (codes, sm, dd) of a Q4_K one (the op tells them apart by the second tensor's dtype:
     fp16, int8, uint8)."""
-    if isinstance(weight, Q6Q8Weight):
-        return weight.codes, weight.sc, weight.d
     if isinstance(weight, Q4KQ8Weight):
         return weight.codes, weight.sm, weight.dd
     if weight.paired != pairs_columns():
         raise ValueError("the native layer takes q4q8 weights packed the default way")
+    if isinstance(weight, Q6Q8Weight):
+        return weight.codes, weight.sc, weight.d
     return weight.codes, weight.d, weight.m
 
 
@@ -408,10 +409,11 @@ def pack_q8(q: torch.Tensor, d: torch.Tensor) -> Q8Q8Weight:
     return Q8Q8Weight(codes, _scales(d, out, groups, paired=False), out, k)
 
 
-def pack_q6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> Q6Q8Weight:
+def pack_q6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, *,
+            paired: bool | None = None) -> Q6Q8Weight:
     """From Q6_K codes ``q[out, in]`` (-32..31), per-256 ``d [out, ceil(in / 256)]`` (fp16
     values) and per-16 int8 ``sc [out, in / 16]`` with ``w = d · sc · q``
-    (:class:`engine.gguf_quant.Q6Weight`)."""
+    (:class:`engine.gguf_quant.Q6Weight`); ``paired`` as :func:`pack`'s."""
     out, k = q.shape
     if not supports(out, k) or sc.shape != (out, k // 16) or d.shape != (out, -(-k // 256)):
         raise ValueError(f"q6q8 weights need out % {COLUMNS} == 0, in % {GROUP} == 0, "
@@ -427,11 +429,13 @@ def pack_q6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> Q6Q8Weight:
     top_bits = torch.stack([top[:, :, 4 * h] | (top[:, :, 4 * h + 1] << 2)
                             | (top[:, :, 4 * h + 2] << 4) | (top[:, :, 4 * h + 3] << 6)
                             for h in range(2)], dim=2)  # [cg, g, 2, col, b]
-    codes = torch.cat([nibbles, top_bits], dim=2).contiguous()  # [cg, g, 6, col, b]
-    # [cg, col, g, half] -> [cg, g, half, col]
-    scales = sc.to(torch.int8).reshape(cg, COLUMNS, groups, 2).permute(0, 2, 3, 1)
+    codes = torch.cat([nibbles, top_bits], dim=2)  # [cg, g, 6, col, b]
+    # [cg, col, g, half] -> [cg, g, half, col, 1] (the 1: _pair_groups's byte axis)
+    scales = sc.to(torch.int8).reshape(cg, COLUMNS, groups, 2, 1).permute(0, 2, 3, 1, 4)
     supers = d.to(torch.float16).reshape(cg, COLUMNS, -1).permute(0, 2, 1)  # [cg, sb, col]
-    return Q6Q8Weight(codes, scales.contiguous(), supers.contiguous(), out, k)
+    paired = pairs_columns() if paired is None else paired
+    return Q6Q8Weight(_layout(codes, paired), _layout(scales, paired).view(cg, groups, 2, COLUMNS),
+                      _layout(supers, paired), out, k, paired)
 
 
 def scratch_bytes(rows: int, in_features: int) -> int:
@@ -465,7 +469,7 @@ def linear(x: torch.Tensor, weight: Q4Q8Weight | Q8Q8Weight | Q6Q8Weight | Q4KQ8
     if xb.shape[-1] != weight.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a [{weight.out_features}, "
                          f"{weight.in_features}] weight")
-    paired = isinstance(weight, Q4Q8Weight) and weight.paired
+    paired = isinstance(weight, Q4Q8Weight | Q6Q8Weight) and weight.paired
     y = _call(kernel, xb.view(-1, weight.in_features), weight,
               _flags(use_vnni, paired, amx), float_out)
     y = y if x.dim() == 2 else y.view(*x.shape[:-1], weight.out_features)

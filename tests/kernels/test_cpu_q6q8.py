@@ -9,7 +9,7 @@ import torch
 
 from quickdraft.engine.gguf_quant import LM_HEAD
 from quickdraft.kernels import cpu_q4q8
-from tests.kernels.four_bit_oracle import random_q6_weights
+from tests.kernels.four_bit_oracle import assert_rows_threads_and_isa_agree, random_q6_weights
 
 pytestmark = pytest.mark.skipif(not cpu_q4q8.available(), reason="q4q8 kernel not built here")
 
@@ -44,6 +44,22 @@ def test_every_code_at_every_position_of_a_block_is_read_back():
     y = cpu_q4q8.linear(x, cpu_q4q8.pack_q6(q, torch.ones(codes, 1),
                                             torch.ones(codes, 2, dtype=torch.int8)))
     torch.testing.assert_close(y.float(), q.T.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("out", [256, 40])  # pairs of 8-column groups; and an odd last group
+def test_rows_threads_instruction_sets_and_layouts_give_the_same_bits(out, paired):
+    """As the 4-bit path's: a row's bits do not depend on the other rows, the thread count,
+    VNNI (16 columns a vector on paired weights, else 8) against AVX2, or the layout; over
+    a last super-block of 64 inputs (k = 576)."""
+    w = random_q6_weights(out, 576, out)
+    x = torch.randn(17, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    packed = cpu_q4q8.pack_q6(w.q, w.d, w.sc, paired=paired)
+    assert packed.paired == paired
+    assert cpu_q4q8.pack_q6(w.q, w.d, w.sc).paired == cpu_q4q8.pairs_columns()
+    assert_rows_threads_and_isa_agree(cpu_q4q8.linear, packed, x, cpu_q4q8.uses_vnni())
+    other = cpu_q4q8.pack_q6(w.q, w.d, w.sc, paired=not paired)
+    assert torch.equal(cpu_q4q8.linear(x, packed), cpu_q4q8.linear(x, other))
 
 
 def test_bad_shapes_and_codes_are_refused():
