@@ -138,9 +138,14 @@ static QD_AVX2 void quantize_rows(const uint16_t* x, int rows, int k, int8_t* xq
  * alone leaves the loops waiting: each tile also asks for the block ``ahead`` bytes past
  * the one it reads (past a tile's end: the next tile's, which follows in memory). On the
  * 2-core AVX512-BF16 EPYC the 16-column loop was 5-9 % slower than the 8-column one at 1-5 rows
- * from DRAM without it, and 1-6 % faster with it (docs/kernels.md). */
-#define QD_AHEAD_4BIT 1024
-#define QD_AHEAD_8BIT 2048
+ * from DRAM without it, and 1-6 % faster with it (docs/kernels.md). How far: 1 KB (4-bit)
+ * and 2 KB (Q8_0) until session 54; 2-4 KB and 4-6 KB read within noise of those on the
+ * AVX2-only EPYCs (whole steps 0.95-1.06x), and on the AMX Xeon VM 4 and 8 KB made
+ * SmolLM2's whole 1-4-row steps 0.82-0.89x the time (short matrices, whose streams the
+ * hardware prefetcher finds late; Qwen2.5-1.5B's 0.95-0.99x). */
+#define QD_AHEAD_4BIT 4096
+#define QD_AHEAD_8BIT 8192
+#define QD_AHEAD_6BIT 2048  /* (an 8-column block; a 16-column one twice as far; 4 KB: noise) */
 
 static inline __attribute__((always_inline)) void prefetch_ahead(const void* block, int bytes,
                                                                  int ahead) {

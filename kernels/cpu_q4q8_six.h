@@ -91,7 +91,7 @@ static inline int32_t q6_start(const float* sumx, int r, int groups, int g, int 
         __m256 dv = _mm256_setzero_ps();                                                   \
         for (int g = 0; g < groups; g++) {                                                 \
             __m256i u[8];                                                                  \
-            prefetch_ahead(cb + (size_t)g * at.block, at.block, QD_AHEAD_8BIT);            \
+            prefetch_ahead(cb + (size_t)g * at.block, at.block, QD_AHEAD_6BIT);            \
             unpack6(cb + (size_t)g * at.block, at.chunk, u);                               \
             if (g % 8 == 0) /* a new super-block of 256 */                                 \
                 dv = _mm256_cvtph_ps(_mm_loadu_si128(                                      \
@@ -172,7 +172,7 @@ static inline __attribute__((always_inline)) QD_VNNI void tile6_16(
     __m512 dv = _mm512_setzero_ps();
     for (int g = 0; g < groups; g++) {
         __m512i u[8];
-        prefetch_ahead(cb + (size_t)g * 2 * QD_Q6_BLOCK, 2 * QD_Q6_BLOCK, 2 * QD_AHEAD_8BIT);
+        prefetch_ahead(cb + (size_t)g * 2 * QD_Q6_BLOCK, 2 * QD_Q6_BLOCK, 2 * QD_AHEAD_6BIT);
         unpack6_16(cb + (size_t)g * 2 * QD_Q6_BLOCK, u);
         if (g % 8 == 0) dv = scales16(db, g / 8);
         const int8_t* sg = scb + (size_t)g * 32;
