@@ -1,7 +1,7 @@
 """A fetched model's Q6_K matrices on the 6-bit x 8-bit loop against bf16, one engine, one
 process: which of the matrices a GGUF stores as Q6_K run on the file's own 6-bit blocks
-(``kernels/cpu_q4q8.c``, ``tile6_avx2``) and which on their dense bf16 copies. Arms,
-alternating sample by sample:
+(``kernels/cpu_q4q8_six.h``: AVX2, or VNNI where the CPU has it) and which on their dense
+bf16 copies. Arms, alternating sample by sample:
 
 - ``dense``: the LM head, the Q6_K ``down`` matrices and the fused qkv whose ``v`` part is
   Q6_K all in bf16 (before 2026-11-29);

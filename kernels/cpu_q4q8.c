@@ -416,8 +416,8 @@ static int linear_any(const uint16_t* x, const void* codes, const void* d,
                       const uint16_t* mn, int kind, uint16_t* y, float* yf, int rows, int n,
                       int k, int threads, int flags, void* scratch) {
     const int vnni = flags & QD_LOOP_VNNI, paired = (flags & QD_PAIRED) != 0;
-    if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32 || (kind != QD_Q4 && kind != QD_Q6 && paired)
-        || (kind == QD_Q4K && k % 256))
+    if (rows < 1 || n < 8 || n % 8 || k < 32 || k % 32
+        || (kind != QD_Q4 && kind != QD_Q6 && paired) || (kind == QD_Q4K && k % 256))
         return -1;
     const int groups = k / 32;
     int8_t* xq = (int8_t*)scratch;

@@ -97,8 +97,8 @@ static inline int32_t q6_start(const float* sumx, int r, int groups, int g, int 
                 dv = _mm256_cvtph_ps(_mm_loadu_si128(                                      \
                     (const __m128i*)(db + (size_t)(g / 8) * at.scales)));                  \
             const int8_t* sg = scb + (size_t)g * 2 * at.scales;                            \
-            const __m256 s0 = _mm256_mul_ps(                                               \
-                dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)sg)))); \
+            const __m256 s0 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(   \
+                _mm_loadl_epi64((const __m128i*)sg))));                                    \
             const __m256 s1 = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(   \
                 _mm_loadl_epi64((const __m128i*)(sg + at.scales)))));                      \
             for (int r = 0; r < R; r++) {                                                  \
