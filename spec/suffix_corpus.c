@@ -29,11 +29,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define SEP (-1)
 
 typedef struct {
-    const int32_t* tok; /* the caller's array: it must outlive the index */
+    const int32_t* tok; /* a copy of the caller's tokens, in ``mapping`` */
     int64_t n;
     int32_t* pos;       /* continuation starts, sorted */
     int64_t npos;
@@ -46,7 +47,37 @@ typedef struct {
      * AVX2-only Zen 4, 5 M tokens) */
     int64_t* first;
     int64_t ntok;
+    /* tok, pos and first live in one anonymous mapping advised onto 2 MiB pages: a look-up
+     * after a model step finds them evicted, and on 4 KiB pages each of its probes also
+     * walked the page tables (40 MB is ~10,000 pages, far more than the TLB holds) */
+    void* mapping;
+    size_t mapping_bytes;
 } Corpus;
+
+#define QD_SC_BATCH 64 /* sources prefetched together */
+#define QD_SC_STACK_NODES (256 * 16 + 1) /* trie nodes kept on the stack: 128 KB */
+#define HUGE_PAGE ((size_t)2 << 20)
+
+static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+/* ``bytes`` (> 0) of zeroed memory in a fresh mapping, from 2 MiB on starting on a 2 MiB
+ * boundary and advised onto huge pages (advice the kernel may ignore: the memory is the
+ * same either way); the mapping is recorded in c for qd_sc_free. NULL when out of memory. */
+static void* map_huge(Corpus* c, size_t bytes) {
+    const int huge = bytes >= HUGE_PAGE; /* (a small corpus stays on small pages) */
+    const size_t length = huge ? round_up(bytes, HUGE_PAGE) + HUGE_PAGE : bytes;
+    char* raw = (char*)mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                            -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    c->mapping = raw;
+    c->mapping_bytes = length;
+    if (!huge) return raw;
+    char* start = raw + (-(uintptr_t)raw & (HUGE_PAGE - 1));
+#ifdef MADV_HUGEPAGE
+    madvise(start, round_up(bytes, HUGE_PAGE), MADV_HUGEPAGE);
+#endif
+    return start;
+}
 
 static inline int32_t ctx_at(const Corpus* c, int64_t p, int d) {
     /* the d-th context token before p (d >= 1), SEP once the sequence has started */
@@ -91,6 +122,7 @@ static uint64_t key4(const Corpus* c, int64_t p) {
  * when out of memory (the caller then sorts with cmp_starts alone). */
 static int presort(Corpus* c) {
     const size_t n = (size_t)c->npos;
+    int32_t* const home = c->pos; /* the sorted starts end here whatever the passes' count */
     uint64_t* key = (uint64_t*)malloc(n * sizeof(uint64_t) + 1);
     uint64_t* key2 = (uint64_t*)malloc(n * sizeof(uint64_t) + 1);
     int32_t* pos2 = (int32_t*)malloc(n * sizeof(int32_t) + 1);
@@ -114,6 +146,11 @@ static int presort(Corpus* c) {
         int32_t* tp = c->pos; c->pos = pos2; pos2 = tp;
     }
     free(count);
+    if (c->pos != home) {
+        memcpy(home, c->pos, n * sizeof(int32_t));
+        pos2 = c->pos;
+        c->pos = home;
+    }
     for (size_t i = 0; i < n;) {
         size_t j = i + 1;
         while (j < n && key[j] == key[i]) ++j;
@@ -131,21 +168,26 @@ void* qd_sc_new(const int32_t* tokens, int64_t n, int max_depth) {
     if (!tokens || n < 0 || n > INT32_MAX || max_depth < 1 || max_depth > 1024) return NULL;
     Corpus* c = (Corpus*)calloc(1, sizeof(Corpus));
     if (!c) return NULL;
-    c->tok = tokens;
     c->n = n;
     c->max_depth = max_depth;
     int64_t count = 0;
-    for (int64_t p = 1; p < n; ++p) count += tokens[p] != SEP && tokens[p - 1] != SEP;
-    c->pos = (int32_t*)malloc((size_t)(count > 0 ? count : 1) * sizeof(int32_t));
-    if (!c->pos) { free(c); return NULL; }
+    int32_t top = SEP;
+    for (int64_t p = 0; p < n; ++p) {
+        count += p > 0 && tokens[p] != SEP && tokens[p - 1] != SEP;
+        top = tokens[p] > top ? tokens[p] : top;
+    }
+    c->ntok = (int64_t)top + 2; /* SEP and 0 .. top */
+    const size_t tok_bytes = round_up((size_t)n * sizeof(int32_t), 64);
+    const size_t pos_bytes = round_up((size_t)(count > 0 ? count : 1) * sizeof(int32_t), 64);
+    char* at = (char*)map_huge(c, tok_bytes + pos_bytes + ((size_t)c->ntok + 1) * sizeof(int64_t));
+    if (!at) { free(c); return NULL; }
+    memcpy(at, tokens, (size_t)n * sizeof(int32_t));
+    c->tok = (const int32_t*)at;
+    c->pos = (int32_t*)(at + tok_bytes);
+    c->first = (int64_t*)(at + tok_bytes + pos_bytes);
     for (int64_t p = 1; p < n; ++p)
         if (tokens[p] != SEP && tokens[p - 1] != SEP) c->pos[c->npos++] = (int32_t)p;
     if (presort(c) != 0) qsort_r(c->pos, (size_t)c->npos, sizeof(int32_t), cmp_starts, c);
-    int32_t top = SEP;
-    for (int64_t p = 0; p < n; ++p) top = tokens[p] > top ? tokens[p] : top;
-    c->ntok = (int64_t)top + 2; /* SEP and 0 .. top */
-    c->first = (int64_t*)calloc((size_t)c->ntok + 1, sizeof(int64_t));
-    if (!c->first) { free(c->pos); free(c); return NULL; }
     for (int64_t i = 0; i < c->npos; ++i) c->first[ctx_at(c, c->pos[i], 1) + 2]++;
     for (int64_t t = 1; t <= c->ntok; ++t) c->first[t] += c->first[t - 1];
     return c;
@@ -154,8 +196,7 @@ void* qd_sc_new(const int32_t* tokens, int64_t n, int max_depth) {
 void qd_sc_free(void* handle) {
     Corpus* c = (Corpus*)handle;
     if (!c) return;
-    free(c->pos);
-    free(c->first);
+    munmap(c->mapping, c->mapping_bytes);
     free(c);
 }
 
@@ -244,13 +285,34 @@ int qd_sc_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes,
     const int64_t run = hi - lo;
     const int sources = run < max_sources ? (int)run : max_sources;
     const size_t cap = (size_t)sources * (size_t)budget + 1;
-    Node* nodes = (Node*)malloc(cap * sizeof(Node));
-    Cand* cands = (Cand*)malloc(cap * sizeof(Cand));
-    if (!nodes || !cands) { free(nodes); free(cands); return -1; }
+    /* scratch on the stack when it fits (it does for the engine's 256 sources and 16
+     * nodes): a malloc and free of ~130 KB a call let glibc hand the pages back and fault
+     * them in again on the next, ~90 us a look-up on the 2-core AMX Xeon VM */
+    Node stack_nodes[QD_SC_STACK_NODES];
+    Cand stack_cands[QD_SC_STACK_NODES];
+    const int on_heap = cap > QD_SC_STACK_NODES;
+    Node* nodes = on_heap ? (Node*)malloc(cap * sizeof(Node)) : stack_nodes;
+    Cand* cands = on_heap ? (Cand*)malloc(cap * sizeof(Cand)) : stack_cands;
+    if (!nodes || !cands) {
+        if (on_heap) { free(nodes); free(cands); }
+        return -1;
+    }
     int32_t used = 1;
     nodes[0] = (Node){SEP, 0, -1, -1, 0};
+    /* the sources' continuations are far apart: ask for a batch of them before reading
+     * any (their positions first), so that their cache misses overlap */
+    int64_t starts[QD_SC_BATCH];
     for (int s = 0; s < sources; ++s) {
-        const int64_t p = c->pos[lo + (int64_t)s * run / sources];
+        if (s % QD_SC_BATCH == 0) {
+            const int end = s + QD_SC_BATCH < sources ? s + QD_SC_BATCH : sources;
+            for (int i = s; i < end; ++i)
+                __builtin_prefetch(&c->pos[lo + (int64_t)i * run / sources]);
+            for (int i = s; i < end; ++i) {
+                starts[i - s] = c->pos[lo + (int64_t)i * run / sources];
+                __builtin_prefetch(&c->tok[starts[i - s]]);
+            }
+        }
+        const int64_t p = starts[s % QD_SC_BATCH];
         int32_t at = 0;
         for (int d = 0; d < budget && p + d < c->n && c->tok[p + d] != SEP; ++d) {
             const int32_t t = c->tok[p + d];
@@ -281,7 +343,9 @@ int qd_sc_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes,
             nc = push_children(nodes, cb.node, count, cb.q, cands, nc);
         ++count;
     }
-    free(nodes);
-    free(cands);
+    if (on_heap) {
+        free(nodes);
+        free(cands);
+    }
     return count;
 }

@@ -13,7 +13,8 @@ their acceptance apart from the request's own suffix drafts ("corpus/…").
 
 A trie of bounded depth over millions of tokens would need gigabytes, so the corpus is
 indexed by a suffix array over reversed contexts (``suffix_corpus.c``: 4 bytes a token,
-built in about a second at start-up, plus a table of where each token's run starts); a
+built in about a second at start-up, beside its own copy of the tokens and a table of where
+each token's run starts, all on 2 MiB pages where the machine allows); a
 lookup is that table for the context's last token, a few binary searches within its run
 for the tokens before it, and a small trie of the matched positions' continuations.
 
@@ -28,6 +29,7 @@ import ctypes
 import functools
 import json
 import lzma
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -72,6 +74,21 @@ def available() -> bool:
         return False
 
 
+class _Scratch(threading.local):
+    """One thread's look-up buffers and their addresses (``ndarray.ctypes.data`` costs more
+    than the call's arithmetic)."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.ctx = np.zeros(max(max_depth, 1), dtype=np.int32)
+        self.tokens = np.zeros(_MAX_NODES, dtype=np.int32)
+        self.parents = np.zeros(_MAX_NODES, dtype=np.int32)
+        self.probs = np.zeros(_MAX_NODES, dtype=np.float32)
+        self.match = np.zeros(1, dtype=np.int32)
+        self.ctx_at = self.ctx.ctypes.data
+        self.out_at = (self.tokens.ctypes.data, self.parents.ctypes.data,
+                       self.probs.ctypes.data, self.match.ctypes.data)
+
+
 class SuffixCorpus:
     """An immutable corpus that drafts like a :class:`~spec.suffix_tree.SuffixTree`
     (``speculate`` / ``speculate_tree``, the same arguments and result types; drafts are
@@ -93,13 +110,13 @@ class SuffixCorpus:
         if max_sources < 1:
             raise ValueError(f"max_sources must be >= 1, got {max_sources}")
         self._lib = lib
-        self._tokens = flat  # the index points into it: kept alive with it
         self.num_tokens = int(np.count_nonzero(flat >= 0))
         self.max_depth = max_depth
         self.max_sources = max_sources
         self._handle = lib.qd_sc_new(flat.ctypes.data, flat.size, max_depth)
         if not self._handle:
             raise ValueError(f"max_depth must be in [1, 1024], got {max_depth} (or no memory)")
+        self._scratch = _Scratch(max_depth)  # (the index holds a copy of the tokens)
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None
@@ -115,21 +132,20 @@ class SuffixCorpus:
                        min_match_len: int = 1) -> TreeDraft:
         if not 0 <= max_nodes <= _MAX_NODES:
             raise ValueError(f"max_nodes must be in [0, {_MAX_NODES}], got {max_nodes}")
-        ctx = np.ascontiguousarray(context[-self.max_depth:], dtype=np.int32)
-        # output buffers per call: engines in one process share a corpus (load_corpus), and
-        # each may step in its own thread
-        tokens = np.empty(max(max_nodes, 1), dtype=np.int32)
-        parents = np.empty_like(tokens)
-        probs = np.empty(tokens.size, dtype=np.float32)
-        match = np.zeros(1, dtype=np.int32)
-        n = self._lib.qd_sc_speculate_tree(
-            self._handle, ctx.ctypes.data, ctx.size, max_nodes, max_spec_factor,
-            min_token_prob, min_match_len, self.max_sources, tokens.ctypes.data,
-            parents.ctypes.data, probs.ctypes.data, match.ctypes.data)
-        if n < 0:
+        # this thread's buffers (engines in one process share a corpus, load_corpus, and
+        # each may step in its own thread); the look-up runs right after a model step has
+        # evicted everything, where each numpy array made or addressed costs microseconds
+        s = self._scratch
+        n = min(len(context), self.max_depth)
+        if n:
+            s.ctx[:n] = context[-n:]
+        count = self._lib.qd_sc_speculate_tree(
+            self._handle, s.ctx_at, n, max_nodes, max_spec_factor, min_token_prob,
+            min_match_len, self.max_sources, *s.out_at)
+        if count < 0:
             raise RuntimeError("qd_sc_speculate_tree failed")
-        return TreeDraft(tokens[:n].tolist(), parents[:n].tolist(), probs[:n].tolist(),
-                         int(match[0]), public=True)
+        return TreeDraft(s.tokens[:count].tolist(), s.parents[:count].tolist(),
+                         s.probs[:count].tolist(), int(s.match[0]), public=True)
 
     def speculate(self, context: Sequence[int] | np.ndarray, max_tokens: int,
                   max_spec_factor: float = 1.0, min_token_prob: float = 0.1,

@@ -58,6 +58,22 @@ def test_matches_the_reference(seed: int) -> None:
         assert chain.tokens == got.tokens[:len(chain.tokens)] or got.parents[:1] == [-1]
 
 
+def test_many_sources_and_nodes_match_the_reference() -> None:
+    """Past one batch of prefetched sources (64) and past the scratch the look-up keeps on
+    the stack (4,097 trie nodes: 256 sources x 16 nodes), where it allocates instead."""
+    rng = random.Random(7)
+    seqs = [[rng.randrange(4) for _ in range(rng.randint(20, 60))] for _ in range(300)]
+    corpus = SuffixCorpus(seqs, max_depth=16, max_sources=256)
+    tokens = _flat(seqs)
+    for ctx, max_nodes, factor in (([0, 1], 16, 8.0), ([2, 3, 1], 16, 4.0),
+                                   ([1, 2, 0, 3], 200, 64.0), ([3, 3], 256, 128.0)):
+        got = corpus.speculate_tree(ctx, max_nodes, factor, 0.0, 1)
+        want = reference_tree(tokens, ctx, 16, max_nodes, factor, 0.0, 1, 256)
+        assert (got.tokens, got.parents, got.match_len) == (want[0], want[1], want[3])
+        assert got.probs == pytest.approx(want[2], rel=0, abs=0)
+        assert len(got.tokens) == max_nodes  # many sources: the trie has nodes to spare
+
+
 def test_a_draft_continues_the_longest_match_by_frequency() -> None:
     corpus = SuffixCorpus([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [7, 3, 4, 5, 8], [3, 4, 5, 8]])
     # context ...2 3 4: matched by the first two sequences (length 3): 5 and 6 once each
