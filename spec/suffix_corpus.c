@@ -23,7 +23,9 @@
  *     candidate of the highest probability (ties: the earlier parent, then the smaller
  *     token) until max_nodes are taken or the best is below min_prob; a taken node's
  *     children become candidates. Output best-first: tokens, parents (-1: below the
- *     context), path probabilities; the return value is the node count, *match = m. */
+ *     context), path probabilities; the return value is the node count, *match = m.
+ *     scratch: scratch_bytes the look-up may use for its trie (qd_sc_scratch_bytes(nodes)
+ *     for one of that many nodes: sources * budget + 1); NULL or too small: it allocates. */
 
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -55,7 +57,6 @@ typedef struct {
 } Corpus;
 
 #define QD_SC_BATCH 64 /* sources prefetched together */
-#define QD_SC_STACK_NODES (256 * 16 + 1) /* trie nodes kept on the stack: 128 KB */
 #define HUGE_PAGE ((size_t)2 << 20)
 
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
@@ -236,6 +237,11 @@ typedef struct {
     int32_t node;
 } Cand;
 
+/* Scratch bytes a look-up's trie of ``nodes`` nodes takes (qd_sc_speculate_tree). */
+int64_t qd_sc_scratch_bytes(int64_t nodes) {
+    return nodes < 0 ? -1 : nodes * (int64_t)(sizeof(Node) + sizeof(Cand));
+}
+
 static int cand_before(const Node* nodes, const Cand* a, const Cand* b) {
     if (a->q != b->q) return a->q > b->q;
     if (a->parent != b->parent) return a->parent < b->parent;
@@ -254,7 +260,8 @@ static int push_children(const Node* nodes, int32_t node, int32_t parent, float 
 
 int qd_sc_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes, float factor,
                          float min_prob, int min_match, int max_sources, int32_t* tokens,
-                         int32_t* parents, float* probs, int* out_match) {
+                         int32_t* parents, float* probs, int* out_match, void* scratch,
+                         int64_t scratch_bytes) {
     const Corpus* c = (const Corpus*)handle;
     if (!c || n < 0 || (n > 0 && !ctx) || max_nodes < 0 || max_nodes > 256 || max_sources < 1
         || !tokens || !parents || !probs || !out_match)
@@ -285,14 +292,13 @@ int qd_sc_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes,
     const int64_t run = hi - lo;
     const int sources = run < max_sources ? (int)run : max_sources;
     const size_t cap = (size_t)sources * (size_t)budget + 1;
-    /* scratch on the stack when it fits (it does for the engine's 256 sources and 16
-     * nodes): a malloc and free of ~130 KB a call let glibc hand the pages back and fault
-     * them in again on the next, ~90 us a look-up on the 2-core AMX Xeon VM */
-    Node stack_nodes[QD_SC_STACK_NODES];
-    Cand stack_cands[QD_SC_STACK_NODES];
-    const int on_heap = cap > QD_SC_STACK_NODES;
-    Node* nodes = on_heap ? (Node*)malloc(cap * sizeof(Node)) : stack_nodes;
-    Cand* cands = on_heap ? (Cand*)malloc(cap * sizeof(Cand)) : stack_cands;
+    /* the caller's scratch when it holds the trie (the engine's: 256 sources x 16 nodes);
+     * else allocated. A malloc and free of ~130 KB a call let glibc hand the pages back and
+     * fault them in again on the next, ~90 us a look-up on the 2-core AMX Xeon VM. */
+    const int on_heap = scratch == NULL || scratch_bytes < 0
+                        || cap * (sizeof(Node) + sizeof(Cand)) > (size_t)scratch_bytes;
+    Node* nodes = on_heap ? (Node*)malloc(cap * sizeof(Node)) : (Node*)scratch;
+    Cand* cands = on_heap ? (Cand*)malloc(cap * sizeof(Cand)) : (Cand*)(nodes + cap);
     if (!nodes || !cands) {
         if (on_heap) { free(nodes); free(cands); }
         return -1;

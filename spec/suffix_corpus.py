@@ -45,6 +45,7 @@ CORPUS_CONFIG = "suffix_corpus.json"
 _FORMATS = (("suffix_corpus.u16.xz", "<u2", 0xFFFF), ("suffix_corpus.u32.xz", "<u4", 0xFFFFFFFF))
 _MAX_NODES = 256
 MAX_SOURCES = 256  # matched positions whose continuations one lookup counts
+_SCRATCH_NODES = 16  # draft nodes a source's continuation is kept to in _Scratch's trie room
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,8 +62,10 @@ def _lib() -> ctypes.CDLL | None:
     lib.qd_sc_num_starts.restype = ctypes.c_int64
     lib.qd_sc_speculate_tree.argtypes = [ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                          ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ptr,
-                                         ptr, ptr]
+                                         ptr, ptr, ptr, ctypes.c_int64]
     lib.qd_sc_speculate_tree.restype = ctypes.c_int
+    lib.qd_sc_scratch_bytes.argtypes = [ctypes.c_int64]
+    lib.qd_sc_scratch_bytes.restype = ctypes.c_int64
     return lib
 
 
@@ -76,17 +79,21 @@ def available() -> bool:
 
 class _Scratch(threading.local):
     """One thread's look-up buffers and their addresses (``ndarray.ctypes.data`` costs more
-    than the call's arithmetic)."""
+    than the call's arithmetic), with room for the trie of a look-up drafting up to 16 nodes
+    from every source (a bigger one allocates its own)."""
 
-    def __init__(self, max_depth: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, max_depth: int, max_sources: int) -> None:
         self.ctx = np.zeros(max(max_depth, 1), dtype=np.int32)
         self.tokens = np.zeros(_MAX_NODES, dtype=np.int32)
         self.parents = np.zeros(_MAX_NODES, dtype=np.int32)
         self.probs = np.zeros(_MAX_NODES, dtype=np.float32)
         self.match = np.zeros(1, dtype=np.int32)
+        self.trie = np.zeros(lib.qd_sc_scratch_bytes(max_sources * _SCRATCH_NODES + 1),
+                             dtype=np.uint8)
         self.ctx_at = self.ctx.ctypes.data
         self.out_at = (self.tokens.ctypes.data, self.parents.ctypes.data,
-                       self.probs.ctypes.data, self.match.ctypes.data)
+                       self.probs.ctypes.data, self.match.ctypes.data,
+                       self.trie.ctypes.data, self.trie.size)
 
 
 class SuffixCorpus:
@@ -116,7 +123,7 @@ class SuffixCorpus:
         self._handle = lib.qd_sc_new(flat.ctypes.data, flat.size, max_depth)
         if not self._handle:
             raise ValueError(f"max_depth must be in [1, 1024], got {max_depth} (or no memory)")
-        self._scratch = _Scratch(max_depth)  # (the index holds a copy of the tokens)
+        self._scratch = _Scratch(lib, max_depth, max_sources)  # (the index copied the tokens)
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None

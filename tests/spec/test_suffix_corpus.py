@@ -59,8 +59,8 @@ def test_matches_the_reference(seed: int) -> None:
 
 
 def test_many_sources_and_nodes_match_the_reference() -> None:
-    """Past one batch of prefetched sources (64) and past the scratch the look-up keeps on
-    the stack (4,097 trie nodes: 256 sources x 16 nodes), where it allocates instead."""
+    """Past one batch of prefetched sources (64), in the caller's scratch (room for 256
+    sources x 16 nodes) and past it, where the look-up allocates its trie instead."""
     rng = random.Random(7)
     seqs = [[rng.randrange(4) for _ in range(rng.randint(20, 60))] for _ in range(300)]
     corpus = SuffixCorpus(seqs, max_depth=16, max_sources=256)
