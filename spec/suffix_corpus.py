@@ -80,7 +80,7 @@ def available() -> bool:
 class _Scratch(threading.local):
     """One thread's look-up buffers and their addresses (``ndarray.ctypes.data`` costs more
     than the call's arithmetic), with room for the trie of a look-up drafting up to 16 nodes
-    from every source (a bigger one allocates its own)."""
+    from up to MAX_SOURCES sources (a bigger one allocates its own)."""
 
     def __init__(self, lib: ctypes.CDLL, max_depth: int, max_sources: int) -> None:
         self.ctx = np.zeros(max(max_depth, 1), dtype=np.int32)
@@ -88,8 +88,8 @@ class _Scratch(threading.local):
         self.parents = np.zeros(_MAX_NODES, dtype=np.int32)
         self.probs = np.zeros(_MAX_NODES, dtype=np.float32)
         self.match = np.zeros(1, dtype=np.int32)
-        self.trie = np.zeros(lib.qd_sc_scratch_bytes(max_sources * _SCRATCH_NODES + 1),
-                             dtype=np.uint8)
+        nodes = min(max_sources, MAX_SOURCES) * _SCRATCH_NODES + 1  # (at most 128 KB)
+        self.trie = np.zeros(lib.qd_sc_scratch_bytes(nodes), dtype=np.uint8)
         self.ctx_at = self.ctx.ctypes.data
         self.out_at = (self.tokens.ctypes.data, self.parents.ctypes.data,
                        self.probs.ctypes.data, self.match.ctypes.data,
