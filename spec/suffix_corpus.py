@@ -45,7 +45,7 @@ CORPUS_CONFIG = "suffix_corpus.json"
 _FORMATS = (("suffix_corpus.u16.xz", "<u2", 0xFFFF), ("suffix_corpus.u32.xz", "<u4", 0xFFFFFFFF))
 _MAX_NODES = 256
 MAX_SOURCES = 256  # matched positions whose continuations one lookup counts
-_SCRATCH_NODES = 16  # draft nodes a source's continuation is kept to in _Scratch's trie room
+_SCRATCH_NODES = 16  # a look-up's budget per source that _Scratch's trie room covers (the engine's)
 
 
 @functools.lru_cache(maxsize=1)
@@ -91,9 +91,10 @@ class _Scratch(threading.local):
         nodes = min(max_sources, MAX_SOURCES) * _SCRATCH_NODES + 1  # (at most 128 KB)
         self.trie = np.zeros(lib.qd_sc_scratch_bytes(nodes), dtype=np.uint8)
         self.ctx_at = self.ctx.ctypes.data
-        self.out_at = (self.tokens.ctypes.data, self.parents.ctypes.data,
-                       self.probs.ctypes.data, self.match.ctypes.data,
-                       self.trie.ctypes.data, self.trie.size)
+        # the call's last six arguments: the outputs, then the trie scratch and its size
+        self.call_tail = (self.tokens.ctypes.data, self.parents.ctypes.data,
+                          self.probs.ctypes.data, self.match.ctypes.data,
+                          self.trie.ctypes.data, self.trie.size)
 
 
 class SuffixCorpus:
@@ -148,7 +149,7 @@ class SuffixCorpus:
             s.ctx[:n] = context[-n:]
         count = self._lib.qd_sc_speculate_tree(
             self._handle, s.ctx_at, n, max_nodes, max_spec_factor, min_token_prob,
-            min_match_len, self.max_sources, *s.out_at)
+            min_match_len, self.max_sources, *s.call_tail)
         if count < 0:
             raise RuntimeError("qd_sc_speculate_tree failed")
         return TreeDraft(s.tokens[:count].tolist(), s.parents[:count].tolist(),
