@@ -31,12 +31,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #define SEP (-1)
 
 typedef struct {
-    const int32_t* tok; /* a copy of the caller's tokens, in ``mapping`` */
+    const int32_t* tok; /* a copy of the caller's tokens (see below) */
     int64_t n;
     int32_t* pos;       /* continuation starts, sorted */
     int64_t npos;
@@ -49,35 +48,38 @@ typedef struct {
      * AVX2-only Zen 4, 5 M tokens) */
     int64_t* first;
     int64_t ntok;
-    /* tok, pos and first live in one anonymous mapping advised onto 2 MiB pages: a look-up
-     * after a model step finds them evicted, and on 4 KiB pages each of its probes also
-     * walked the page tables (40 MB is ~10,000 pages, far more than the TLB holds) */
-    void* mapping;
-    size_t mapping_bytes;
 } Corpus;
+/* tok, pos and first live in memory the caller gives qd_sc_new (spec/suffix_corpus.py: on
+ * 2 MiB pages, kernels/huge_pages.py): a look-up after a model step finds them evicted, and
+ * on 4 KiB pages each of its probes also walked the page tables (40 MB is ~10,000 pages,
+ * far more than the TLB holds). */
 
 #define QD_SC_BATCH 64 /* sources prefetched together */
-#define HUGE_PAGE ((size_t)2 << 20)
-
 static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-/* ``bytes`` (> 0) of zeroed memory in a fresh mapping, from 2 MiB on starting on a 2 MiB
- * boundary and advised onto huge pages (advice the kernel may ignore: the memory is the
- * same either way); the mapping is recorded in c for qd_sc_free. NULL when out of memory. */
-static void* map_huge(Corpus* c, size_t bytes) {
-    const int huge = bytes >= HUGE_PAGE; /* (a small corpus stays on small pages) */
-    const size_t length = huge ? round_up(bytes, HUGE_PAGE) + HUGE_PAGE : bytes;
-    char* raw = (char*)mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                            -1, 0);
-    if (raw == MAP_FAILED) return NULL;
-    c->mapping = raw;
-    c->mapping_bytes = length;
-    if (!huge) return raw;
-    char* start = raw + (-(uintptr_t)raw & (HUGE_PAGE - 1));
-#ifdef MADV_HUGEPAGE
-    madvise(start, round_up(bytes, HUGE_PAGE), MADV_HUGEPAGE);
-#endif
-    return start;
+/* Where the index's arrays go in its memory: the tokens' copy, then the sorted starts, then
+ * the first-token table (each from a 64-byte boundary); the starts' count and the table's
+ * size as well. Returns the bytes in all. */
+static size_t layout(const int32_t* tokens, int64_t n, int64_t* count, int64_t* ntok,
+                     size_t* tok_bytes, size_t* pos_bytes) {
+    int32_t top = SEP;
+    *count = 0;
+    for (int64_t p = 0; p < n; ++p) {
+        *count += p > 0 && tokens[p] != SEP && tokens[p - 1] != SEP;
+        top = tokens[p] > top ? tokens[p] : top;
+    }
+    *ntok = (int64_t)top + 2; /* SEP and 0 .. top */
+    *tok_bytes = round_up((size_t)n * sizeof(int32_t), 64);
+    *pos_bytes = round_up((size_t)(*count > 0 ? *count : 1) * sizeof(int32_t), 64);
+    return *tok_bytes + *pos_bytes + ((size_t)*ntok + 1) * sizeof(int64_t);
+}
+
+/* Bytes of memory the index of these tokens needs (qd_sc_new); -1 for bad arguments. */
+int64_t qd_sc_index_bytes(const int32_t* tokens, int64_t n) {
+    if (!tokens || n < 0 || n > INT32_MAX) return -1;
+    int64_t count, ntok;
+    size_t tok_bytes, pos_bytes;
+    return (int64_t)layout(tokens, n, &count, &ntok, &tok_bytes, &pos_bytes);
 }
 
 static inline int32_t ctx_at(const Corpus* c, int64_t p, int d) {
@@ -165,23 +167,26 @@ static int presort(Corpus* c) {
     return 0;
 }
 
-void* qd_sc_new(const int32_t* tokens, int64_t n, int max_depth) {
-    if (!tokens || n < 0 || n > INT32_MAX || max_depth < 1 || max_depth > 1024) return NULL;
+/* The index of ``tokens`` (copied) in ``memory``: memory_bytes >= qd_sc_index_bytes, zeroed,
+ * 64-byte aligned, alive and untouched by the caller until qd_sc_free. NULL for bad
+ * arguments (or no memory for the handle). */
+void* qd_sc_new(const int32_t* tokens, int64_t n, int max_depth, void* memory,
+                int64_t memory_bytes) {
+    if (!tokens || n < 0 || n > INT32_MAX || max_depth < 1 || max_depth > 1024 || !memory
+        || ((uintptr_t)memory & 63))
+        return NULL;
+    int64_t count;
+    size_t tok_bytes, pos_bytes;
     Corpus* c = (Corpus*)calloc(1, sizeof(Corpus));
     if (!c) return NULL;
+    if (memory_bytes < 0
+        || layout(tokens, n, &count, &c->ntok, &tok_bytes, &pos_bytes) > (size_t)memory_bytes) {
+        free(c);
+        return NULL;
+    }
     c->n = n;
     c->max_depth = max_depth;
-    int64_t count = 0;
-    int32_t top = SEP;
-    for (int64_t p = 0; p < n; ++p) {
-        count += p > 0 && tokens[p] != SEP && tokens[p - 1] != SEP;
-        top = tokens[p] > top ? tokens[p] : top;
-    }
-    c->ntok = (int64_t)top + 2; /* SEP and 0 .. top */
-    const size_t tok_bytes = round_up((size_t)n * sizeof(int32_t), 64);
-    const size_t pos_bytes = round_up((size_t)(count > 0 ? count : 1) * sizeof(int32_t), 64);
-    char* at = (char*)map_huge(c, tok_bytes + pos_bytes + ((size_t)c->ntok + 1) * sizeof(int64_t));
-    if (!at) { free(c); return NULL; }
+    char* at = (char*)memory;
     memcpy(at, tokens, (size_t)n * sizeof(int32_t));
     c->tok = (const int32_t*)at;
     c->pos = (int32_t*)(at + tok_bytes);
@@ -194,12 +199,7 @@ void* qd_sc_new(const int32_t* tokens, int64_t n, int max_depth) {
     return c;
 }
 
-void qd_sc_free(void* handle) {
-    Corpus* c = (Corpus*)handle;
-    if (!c) return;
-    munmap(c->mapping, c->mapping_bytes);
-    free(c);
-}
+void qd_sc_free(void* handle) { free(handle); /* (its memory is the caller's) */ }
 
 int64_t qd_sc_num_starts(void* handle) { return handle ? ((Corpus*)handle)->npos : -1; }
 
@@ -311,10 +311,12 @@ int qd_sc_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes,
     for (int s = 0; s < sources; ++s) {
         if (s % QD_SC_BATCH == 0) {
             const int end = s + QD_SC_BATCH < sources ? s + QD_SC_BATCH : sources;
-            for (int i = s; i < end; ++i)
-                __builtin_prefetch(&c->pos[lo + (int64_t)i * run / sources]);
+            for (int i = s; i < end; ++i) { /* (an index into pos, then a position) */
+                starts[i - s] = lo + (int64_t)i * run / sources;
+                __builtin_prefetch(&c->pos[starts[i - s]]);
+            }
             for (int i = s; i < end; ++i) {
-                starts[i - s] = c->pos[lo + (int64_t)i * run / sources];
+                starts[i - s] = c->pos[starts[i - s]];
                 __builtin_prefetch(&c->tok[starts[i - s]]);
             }
         }

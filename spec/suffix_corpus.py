@@ -34,8 +34,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from quickdraft.kernels import cbuild
+from quickdraft.kernels import cbuild, huge_pages
 from quickdraft.spec.suffix_tree import Draft, TreeDraft
 
 _SOURCE = Path(__file__).with_name("suffix_corpus.c")
@@ -54,7 +55,9 @@ def _lib() -> ctypes.CDLL | None:
     if lib is None:
         return None
     ptr = ctypes.c_void_p
-    lib.qd_sc_new.argtypes = [ptr, ctypes.c_int64, ctypes.c_int]
+    lib.qd_sc_index_bytes.argtypes = [ptr, ctypes.c_int64]
+    lib.qd_sc_index_bytes.restype = ctypes.c_int64
+    lib.qd_sc_new.argtypes = [ptr, ctypes.c_int64, ctypes.c_int, ptr, ctypes.c_int64]
     lib.qd_sc_new.restype = ctypes.c_void_p
     lib.qd_sc_free.argtypes = [ptr]
     lib.qd_sc_free.restype = None
@@ -121,10 +124,16 @@ class SuffixCorpus:
         self.num_tokens = int(np.count_nonzero(flat >= 0))
         self.max_depth = max_depth
         self.max_sources = max_sources
-        self._handle = lib.qd_sc_new(flat.ctypes.data, flat.size, max_depth)
+        # the index's arrays (a copy of the tokens among them), on 2 MiB pages where the
+        # machine allows: a look-up after a model step finds them evicted, and on small
+        # pages each of its probes would also walk the page tables
+        size = lib.qd_sc_index_bytes(flat.ctypes.data, flat.size)
+        self._memory = huge_pages.zeros((max(size, 1),), torch.uint8)
+        self._handle = lib.qd_sc_new(flat.ctypes.data, flat.size, max_depth,
+                                     self._memory.data_ptr(), size)
         if not self._handle:
             raise ValueError(f"max_depth must be in [1, 1024], got {max_depth} (or no memory)")
-        self._scratch = _Scratch(lib, max_depth, max_sources)  # (the index copied the tokens)
+        self._scratch = _Scratch(lib, max_depth, max_sources)
 
     def __del__(self) -> None:
         handle, self._handle = getattr(self, "_handle", None), None
