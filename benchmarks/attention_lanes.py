@@ -1,14 +1,14 @@
-"""The CPU attention kernel's two lanes per call: the fp32 lane (K/V converted to fp32, fp32
+"""The CPU attention kernel's lanes per call: the fp32 lane (K/V converted to fp32, fp32
 FMAs; every CPU with AVX2) against the dot lane (bf16 pair dot products, ``vdpbf16ps``; CPUs
-with AVX512-BF16, where it is the default), in one process, lanes alternating sample by
-sample, at SmolLM2-135M shapes (9 q + 3 kv heads of 64, blocks of 16). Cases are
-``(sequences, cached positions, rows each)``: decode rows (1), verification rows (1 +
-drafts) and a prefill chunk.
+with AVX512-BF16) and, where the CPU has AMX-BF16 (the default there), the AMX lane (tile
+multiplies, ``tdpbf16ps``), in one process, lanes rotating sample by sample, at SmolLM2-135M
+shapes (9 q + 3 kv heads of 64, blocks of 16). Cases are ``(sequences, cached positions,
+rows each)``: decode rows (1), verification rows (1 + drafts) and a prefill chunk.
 
     python benchmarks/attention_lanes.py [--samples 201] [--calls 10] [--tag TAG]
 
 writes ``benchmarks/results/attention_lanes[_TAG].{json,png}`` and prints a markdown table
-(with the largest difference between the lanes' outputs).
+(with the largest difference between each lane's outputs and the fp32 lane's).
 """
 
 from __future__ import annotations
@@ -66,6 +66,12 @@ def main() -> int:
         p.error("this CPU has no AVX512-BF16: only the fp32 lane runs here")
     torch.manual_seed(0)
     start_lane = cpu_attention.lane()
+    lanes = ["fp32", "dot"]
+    try:
+        cpu_attention.set_lane("amx")
+        lanes.append("amx")
+    except RuntimeError:
+        pass  # no AMX-BF16 here (or Linux refused its tiles)
     scale = HEAD_DIM ** -0.5
     data, rows_out = [], []
     for seqs, context, rows in CASES:
@@ -74,25 +80,33 @@ def main() -> int:
         def call(q=q, kv=kv, tables=tables, lens=lens, qsl=qsl) -> torch.Tensor | None:
             return cpu_attention.ragged_attention(q, kv, tables, lens, qsl, scale)
 
-        outs, times = {}, {lane: [] for lane in cpu_attention.LANES}
-        for lane in cpu_attention.LANES:
+        outs, times = {}, {lane: [] for lane in lanes}
+        for lane in lanes:
             cpu_attention.set_lane(lane)
             outs[lane] = call()
         for i in range(args.samples):
-            for lane in cpu_attention.LANES if i % 2 == 0 else cpu_attention.LANES[::-1]:
+            for lane in lanes[i % len(lanes):] + lanes[:i % len(lanes)]:
                 cpu_attention.set_lane(lane)
                 times[lane].append(per_call_us(call, args.calls))
-        fp32, dot = outs["fp32"], outs["dot"]
-        assert fp32 is not None and dot is not None
-        diff = (fp32.float() - dot.float()).abs().max().item()
-        t32, tdot = median(times["fp32"]), median(times["dot"])
-        entry = {"sequences": seqs, "context": context, "rows": rows, "fp32_us": t32,
-                 "dot_us": tdot, "ratio": tdot / t32, "max_abs_diff": diff}
+        fp32 = outs["fp32"]
+        assert all(out is not None for out in outs.values()) and fp32 is not None
+        entry: dict[str, float | int] = {"sequences": seqs, "context": context, "rows": rows}
+        row: list[object] = [seqs, context, rows]
+        for lane in lanes:
+            entry[f"{lane}_us"] = median(times[lane])
+            row.append(fmt(entry[f"{lane}_us"], 1))
+        for lane in lanes[1:]:
+            got = outs[lane]
+            assert got is not None
+            entry[f"{lane}_ratio"] = entry[f"{lane}_us"] / entry["fp32_us"]
+            entry[f"{lane}_max_abs_diff"] = (fp32.float() - got.float()).abs().max().item()
+            row += [fmt(entry[f"{lane}_ratio"]), f"{entry[f'{lane}_max_abs_diff']:.2g}"]
+        if "amx" in lanes:
+            entry["amx_over_dot"] = entry["amx_us"] / entry["dot_us"]
+            row.append(fmt(entry["amx_over_dot"]))
         data.append(entry)
-        rows_out.append([seqs, context, rows, fmt(t32, 1), fmt(tdot, 1), fmt(tdot / t32),
-                         f"{diff:.2g}"])
-        print(f"{seqs} x {context} x {rows}: fp32 {t32:.1f} us, dot {tdot:.1f} us "
-              f"({tdot / t32:.3f}), max|diff| {diff:.2g}", flush=True)
+        rows_out.append(row)
+        print(" | ".join(str(x) for x in row), flush=True)
     cpu_attention.set_lane(start_lane)
     info = machine_info()
     suffix = f"_{args.tag}" if args.tag else ""
@@ -101,15 +115,21 @@ def main() -> int:
                RESULTS_DIR / f"attention_lanes{suffix}.json")
     fig, ax = new_figure(8.0, 4.5)
     labels = [f"{e['sequences']}x{e['context']}\n{e['rows']} row(s)" for e in data]
-    ax.bar(range(len(data)), [e["ratio"] for e in data], color="tab:green")
+    width = 0.8 / (len(lanes) - 1)
+    for k, (lane, color) in enumerate(zip(lanes[1:], ("tab:green", "tab:purple"), strict=False)):
+        ax.bar([i + (k - (len(lanes) - 2) / 2) * width for i in range(len(data))],
+               [e[f"{lane}_ratio"] for e in data], width, color=color, label=lane)
     ax.axhline(1.0, color="grey", linewidth=1)
+    ax.legend(fontsize=8)
     ax.set_xticks(range(len(data)), labels, fontsize=8)
-    ax.set_ylabel("time per call, dot / fp32 lane (median)")
+    ax.set_ylabel("time per call / the fp32 lane's (median)")
     ax.set_title("CPU attention lanes: sequences x cached positions, rows each\n"
                  f"{machine_summary(info)}", fontsize=9)
     save_figure(fig, RESULTS_DIR / f"attention_lanes{suffix}.png")
-    print(markdown_table(["sequences", "cached positions", "rows each", "fp32 µs", "dot µs",
-                          "dot / fp32", "max abs diff"], rows_out))
+    header = ["sequences", "cached positions", "rows each"] + [f"{lane} µs" for lane in lanes]
+    for lane in lanes[1:]:
+        header += [f"{lane} / fp32", f"{lane} max abs diff"]
+    print(markdown_table(header + (["amx / dot"] if "amx" in lanes else []), rows_out))
     return 0
 
 

@@ -66,6 +66,13 @@
 
 #define QD_MAX_GD 8192       /* max (query heads per kv head) * head_dim */
 #define QD_MAX_D 256         /* max head_dim (the fp32 K/V chunk scratch) */
+/* the AMX lane needs AMX-BF16 intrinsics (GCC 11+) besides the dot lane's */
+#if QD_HAVE_DOT && (defined(__clang__) ? (__clang_major__ >= 12) : (__GNUC__ >= 11))
+#define QD_HAVE_AMX 1
+#include "cpu_attention_amx.h"
+#else
+#define QD_HAVE_AMX 0
+#endif
 #define QD_MAX_ROWS 16       /* max query rows per task */
 #define QD_MAX_LANES 64      /* max (query row, kv head) pairs per task */
 #define QD_ROW_FLOATS 8192   /* max lanes * (query heads per kv head) * head_dim per task */
@@ -88,8 +95,12 @@ typedef struct {
     uint16_t* out;
     int heads, kv_heads, d, block_size, num_blocks, max_blocks, num_seqs;
     float scale;
-    int dot; /* the AVX512-BF16 lane (cpu_attention_dot.h) for every lane of the call */
+    int lane; /* every lane of the call: QD_LANE_FP32, _DOT or _AMX */
 } Args;
+
+/* The lanes (see qd_lane): fp32 (cpu_attention_lane.h), dot (cpu_attention_dot.h), AMX
+ * (cpu_attention_amx.h). */
+enum { QD_LANE_FP32 = 0, QD_LANE_DOT = 1, QD_LANE_AMX = 2 };
 
 /* Where one query row's visible positions lie: visible index v < contig is position v; the
  * rest are ctx0 + j for the set bits j of bits, in increasing order (a tree row); ctx of
@@ -102,13 +113,18 @@ typedef struct {
 #include "cpu_attention_tasks.h"
 
 /* A chunk's n K and V rows made ready for the call's lane: converted to fp32 (kf, vf) or
- * packed for the dot lane (in the same buffers). */
-static QD_TARGET void ready_chunk(int dot, const uint16_t* const* krow,
+ * packed for the dot and AMX lanes (in the same buffers; for AMX, whose tiles read all 16
+ * position pairs, the pairs past n are zeroed too). */
+static QD_TARGET void ready_chunk(int lane, const uint16_t* const* krow,
                                   const uint16_t* const* vrow, int n, int D, float* kf,
                                   float* vf) {
 #if QD_HAVE_DOT
-    if (dot) {
+    if (lane != QD_LANE_FP32) {
         pack_chunk_dot(krow, vrow, n, D, (uint32_t*)kf, (uint32_t*)vf);
+        if (lane == QD_LANE_AMX && n < QD_CHUNK) {
+            const int np = (n + 1) / 2;
+            memset(vf + (size_t)np * D, 0, (size_t)(QD_CHUNK / 2 - np) * D * sizeof(float));
+        }
         return;
     }
 #endif
@@ -117,11 +133,11 @@ static QD_TARGET void ready_chunk(int dot, const uint16_t* const* krow,
 
 /* One lane's step over a ready chunk in the call's lane: q is the lane's slot, holding the
  * fp32 lane's pre-scaled q or, for the dot lane, its bf16 q (at the slot's start). */
-static QD_TARGET void lane_chunk(int dot, const float* q, float* acc, float* m, float* l,
+static QD_TARGET void lane_chunk(int lane, const float* q, float* acc, float* m, float* l,
                                  float* sc, const float* kf, const float* vf, int n, int G,
                                  int D, float scale) {
 #if QD_HAVE_DOT
-    if (dot) {
+    if (lane == QD_LANE_DOT) {
         row_chunk_dot((const uint16_t*)q, acc, m, l, sc, (const uint32_t*)kf,
                       (const uint32_t*)vf, n, G, D, scale);
         return;
@@ -152,6 +168,38 @@ typedef struct {
     float fm[QD_MAX_LANES * 64], fl[QD_MAX_LANES * 64];
     int nh; /* the task's kv heads */
 } LaneState;
+
+/* Rows [r0, r1) of a task of R rows, at its kv head h, over a ready chunk of n positions, in
+ * the call's lane: one lane at a time, or (AMX) as many rows as a tile takes. qs: the lanes'
+ * q as attend_task stores it for the lane. */
+static QD_TARGET void rows_chunk(const Args* a, LaneState* st, const float* qs, float* sc,
+                                 int R, int h, int r0, int r1, const float* kf, const float* vf,
+                                 int n) {
+    const int D = a->d, G = a->heads / a->kv_heads, GD = G * D, NH = st->nh;
+#if QD_HAVE_AMX
+    if (a->lane == QD_LANE_AMX) { /* qs: bf16 [NH][R][G][D], then 16 rows of zeros */
+        const int per = QD_AMX_HEADS / G;
+        float *acc[QD_AMX_HEADS], *m[QD_AMX_HEADS], *l[QD_AMX_HEADS];
+        for (int r = r0; r < r1; r += per) {
+            const int M = r1 - r < per ? r1 - r : per;
+            for (int i = 0; i < M; ++i) {
+                const size_t lane = (size_t)(r + i) * NH + h;
+                acc[i] = st->acc + lane * GD;
+                m[i] = st->m + lane * G;
+                l[i] = st->l + lane * G;
+            }
+            rows_chunk_amx((const uint16_t*)qs + ((size_t)h * R + r) * GD, acc, m, l, sc,
+                           (const uint32_t*)kf, (const uint32_t*)vf, n, M, G, D, a->scale);
+        }
+        return;
+    }
+#endif
+    for (int r = r0; r < r1; ++r) {
+        const size_t lane = (size_t)r * NH + h;
+        lane_chunk(a->lane, qs + lane * GD, st->acc + lane * GD, st->m + lane * G,
+                   st->l + lane * G, sc, kf, vf, n, G, D, a->scale);
+    }
+}
 
 /* Row r's lanes have walked segment seg (their visible indices up to its end, or their
  * last): its state is folded (a task covering its lanes whole) or stored in the task's
@@ -207,7 +255,7 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
     float sc[64 * QD_CHUNK] __attribute__((aligned(64)));      /* [G][QD_CHUNK] */
     float kf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(64)));
     float vf[QD_CHUNK * QD_MAX_D] __attribute__((aligned(64)));
-    const int dot = a->dot; /* its q (bf16, unscaled) and packed chunks use the same buffers */
+    const int lane_kind = a->lane; /* q and the ready chunks in these buffers as it needs */
     const uint16_t* krow[QD_CHUNK];
     const uint16_t* vrow[QD_CHUNK];
     size_t offs[QD_CHUNK]; /* a chunk's positions (their head 0) in the cache */
@@ -228,16 +276,21 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
         for (int h = 0; h < NH; ++h) {
             const uint16_t* qsrc = a->q + (size_t)t * a->ldq + (size_t)(h0 + h) * GD;
             const size_t lane = (size_t)r * NH + h;
-            if (dot) /* the bf16 q at the start of the lane's fp32 slot */
+            if (lane_kind == QD_LANE_DOT) /* the bf16 q at the start of the lane's fp32 slot */
                 memcpy(qs + lane * GD, qsrc, (size_t)GD * sizeof(uint16_t));
+            else if (lane_kind == QD_LANE_AMX) /* bf16, by kv head: [NH][R][G][D] */
+                memcpy((uint16_t*)qs + ((size_t)h * R + r) * GD, qsrc,
+                       (size_t)GD * sizeof(uint16_t));
             for (int x = 0; x < GD; x += 8) {
-                if (!dot)
+                if (lane_kind == QD_LANE_FP32)
                     _mm256_store_ps(qs + lane * GD + x, _mm256_mul_ps(load_bf16(qsrc + x), vscale));
                 _mm256_store_ps(acc + lane * GD + x, _mm256_setzero_ps());
             }
             for (int g = 0; g < G; ++g) { m[lane * G + g] = -INFINITY; l[lane * G + g] = 0.0f; }
         }
     }
+    if (lane_kind == QD_LANE_AMX) /* a tile reads 16 rows of q from any row: zeros past */
+        memset((uint16_t*)qs + (size_t)NH * R * GD, 0, (size_t)QD_AMX_HEADS * D * sizeof(uint16_t));
     /* the shared whole chunks in [lo, hi): contiguous positions, converted once per head for
      * all R rows; the next chunk's K/V rows of a head are prefetched before this one's are
      * computed */
@@ -273,7 +326,7 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                 krow[j] = a->k + ahead[cur][j] + head_off;
                 vrow[j] = a->v + ahead[cur][j] + head_off;
             }
-            ready_chunk(dot, krow, vrow, QD_CHUNK, D, kf, vf);
+            ready_chunk(lane_kind, krow, vrow, QD_CHUNK, D, kf, vf);
             if (next)
                 for (int j = 0; j < QD_CHUNK; ++j)
                     for (int x = 0; x < D; x += 32) { /* 64-byte lines */
@@ -282,11 +335,7 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                         _mm_prefetch((const char*)(a->v + ahead[cur ^ 1][j] + head_off + x),
                                      _MM_HINT_T0);
                     }
-            for (int r = 0; r < R; ++r) {
-                const size_t lane = (size_t)r * NH + h;
-                lane_chunk(dot, qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc,
-                           kf, vf, QD_CHUNK, G, D, a->scale);
-            }
+            rows_chunk(a, &st, qs, sc, R, h, 0, R, kf, vf, QD_CHUNK);
         }
     }
     /* each row's own remaining chunks in [lo, hi): its contiguous positions, then its tree
@@ -310,14 +359,13 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
                 offs[j] = ((size_t)blk * bs + (size_t)(p % bs)) * row_stride;
             }
             for (int h = 0; h < NH; ++h) {
-                const size_t head_off = (size_t)(h0 + h) * D, lane = (size_t)r * NH + h;
+                const size_t head_off = (size_t)(h0 + h) * D;
                 for (int j = 0; j < n; ++j) {
                     krow[j] = a->k + offs[j] + head_off;
                     vrow[j] = a->v + offs[j] + head_off;
                 }
-                ready_chunk(dot, krow, vrow, n, D, kf, vf);
-                lane_chunk(dot, qs + lane * GD, acc + lane * GD, m + lane * G, l + lane * G, sc,
-                           kf, vf, n, G, D, a->scale);
+                ready_chunk(lane_kind, krow, vrow, n, D, kf, vf);
+                rows_chunk(a, &st, qs, sc, R, h, r, r + 1, kf, vf, n);
             }
         }
         end_segment(a, task, &st, r, (end - 1) / QD_SEGMENT);
@@ -329,6 +377,19 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
             write_lane(a, t0 + r, h0 + h, st.fa + lane * GD, st.fl + lane * G);
         }
     return QD_OK;
+}
+
+/* attend_task with, for the AMX lane, this thread's tiles configured around it. */
+static int run_task(const Args* a, const Task* task) {
+#if QD_HAVE_AMX
+    if (a->lane == QD_LANE_AMX) {
+        amx_tiles_configure();
+        const int rc = attend_task(a, task);
+        amx_tiles_release();
+        return rc;
+    }
+#endif
+    return attend_task(a, task);
 }
 
 /* Lane `lane` (query row lane / kv_heads, kv head lane % kv_heads) of a split sequence's
@@ -365,24 +426,43 @@ static QD_TARGET void merge_split(const Args* a, const Task* task, int nthreads)
     for (int lane = 0; lane < lanes; ++lane) merge_lane(a, task, lane);
 }
 
-/* Which lane every call runs: 0 the fp32 lane (AVX2 + FMA), 1 the AVX512-BF16 dot lane
- * (head_dim % 32 == 0; other head sizes keep the fp32 lane). Set once at load by
- * kernels/cpu_attention.py, before any call (the two give different bits: a process keeps
- * one, so decoding and verification agree). */
-static int qd_dot = 0;
+/* Which lane every call runs: QD_LANE_FP32 (AVX2 + FMA), QD_LANE_DOT (AVX512-BF16; head_dim
+ * % 32 == 0, other head sizes take the fp32 lane) or QD_LANE_AMX (AMX-BF16; head_dim % 32 ==
+ * 0 and at most 16 query heads per kv head, other shapes take the dot or the fp32 lane). Set
+ * once at load by kernels/cpu_attention.py, before any call (the lanes give different bits:
+ * a process keeps one, so decoding and verification agree). */
+static int qd_lane = QD_LANE_FP32;
 
-/* Selects the lane (see qd_dot; on < 0: leaves it); returns the lane now in use: the dot
- * lane is refused (0) on a CPU without AVX512-BF16. */
-int qd_attention_use_dot(int on) {
-    if (on < 0) return qd_dot;
+/* Whether this CPU (and, for AMX, Linux) can run lane `lane`. */
+static int lane_runs_here(int lane) {
+    if (lane == QD_LANE_FP32) return 1;
 #if QD_HAVE_DOT
     __builtin_cpu_init();
-    qd_dot = on && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
-             && __builtin_cpu_supports("avx512vl");
-#else
-    qd_dot = 0;
+    const int dot = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
+                    && __builtin_cpu_supports("avx512vl");
+    if (lane == QD_LANE_DOT) return dot;
+#if QD_HAVE_AMX
+    if (lane == QD_LANE_AMX)
+        return dot && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16")
+               && amx_permitted();
 #endif
-    return qd_dot;
+#endif
+    return 0;
+}
+
+/* Selects lane `lane` (see qd_lane; < 0: leaves it); returns the lane now in use: a lane
+ * this CPU cannot run is refused (the lane in use stays). */
+int qd_attention_use_lane(int lane) {
+    if (lane >= QD_LANE_FP32 && lane <= QD_LANE_AMX && lane_runs_here(lane)) qd_lane = lane;
+    return qd_lane;
+}
+
+/* The lane a call of G query heads per kv head and head_dim d runs, in a process using lane
+ * `lane`: the next one down where the shape does not suit it. */
+static int call_lane(int lane, int G, int d) {
+    if (d % 32) return QD_LANE_FP32;
+    if (lane == QD_LANE_AMX && G > 16) return QD_LANE_DOT;
+    return lane;
 }
 
 /* Checks the arguments and the query layout (query_start_loc: int32 [num_seqs + 1], 0,
@@ -428,7 +508,7 @@ static int prepare(Args* a, long long* total, const void* q, size_t ldq, const v
     const Args args = {(const uint16_t*)q, ldq, (const uint16_t*)kv,
                        (const uint16_t*)kv + kv_half, block_tables, seq_lens, query_start_loc,
                        tree_mask, (uint16_t*)out, heads, kv_heads, d, block_size, num_blocks,
-                       max_blocks, num_seqs, scale, qd_dot && d % 32 == 0};
+                       max_blocks, num_seqs, scale, call_lane(qd_lane, G, d)};
     *a = args;
     *total = work;
     return QD_OK;
@@ -460,11 +540,11 @@ static int run_tasks(const Args* a, int num_tokens, long long total, int nthread
     if (nthreads > n) nthreads = n;
     int err = QD_OK;
     if (nthreads <= 1) {
-        for (int t = 0; t < n && err == QD_OK; ++t) err = attend_task(a, &tasks[t]);
+        for (int t = 0; t < n && err == QD_OK; ++t) err = run_task(a, &tasks[t]);
     } else {
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int t = 0; t < n; ++t) {
-            const int rc = attend_task(a, &tasks[t]);
+            const int rc = run_task(a, &tasks[t]);
             if (rc != QD_OK) {
 #pragma omp atomic write
                 err = rc;

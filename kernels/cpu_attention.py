@@ -70,7 +70,8 @@ _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 _CPU_FLAGS = frozenset({"avx2", "fma"})
 _DOT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
-LANES = ("fp32", "dot")
+_AMX_FLAGS = _DOT_FLAGS | {"amx_tile", "amx_bf16"}
+LANES = ("fp32", "dot", "amx")  # the C side's QD_LANE_FP32, _DOT, _AMX, in order
 _BF16 = torch.bfloat16
 _I32 = torch.int32
 _I64 = torch.int64
@@ -87,7 +88,7 @@ _int = ctypes.c_int
 class _Lib(NamedTuple):
     ragged: Callable[..., int]
     write_attend: Callable[..., int]
-    use_dot: Callable[[int], int]
+    use_lane: Callable[[int], int]  # an index into LANES (< 0: none); returns the lane in use
     dll: ctypes.CDLL
 
 
@@ -111,28 +112,39 @@ def _lib() -> _Lib | None:
     both = lib.qd_write_kv_attention_bf16
     both.argtypes = [_vp, _int, *[_vp] * 7, *[_int] * 8, ctypes.c_float, _int]
     both.restype = _int
-    use_dot = lib.qd_attention_use_dot
-    use_dot.argtypes = [_int]
-    use_dot.restype = _int
+    use_lane = lib.qd_attention_use_lane
+    use_lane.argtypes = [_int]
+    use_lane.restype = _int
     chosen = _default_lane()
-    if use_dot(int(chosen == "dot")) != int(chosen == "dot"):
-        log.warning("cpu_attention: the dot lane was refused; using the fp32 lane")
-    return _Lib(fn, both, use_dot, lib)
+    for name in LANES[LANES.index(chosen)::-1]:  # the chosen lane, else the next one down
+        if LANES[use_lane(LANES.index(name))] == name:
+            break
+        log.warning("cpu_attention: the %s lane was refused", name)
+    return _Lib(fn, both, use_lane, lib)
+
+
+def _best_lane() -> str:
+    """The fastest lane this CPU has: amx, else dot, else fp32. Measured (benchmarks/
+    attention_lanes.py): dot 0.67-0.83x the fp32 lane's time per call on the 2-core
+    AVX512-BF16 EPYC; amx ... the dot lane's on the 2-core AMX Xeon (docs/kernels.md). By
+    the CPU's flags, not by a timing at start-up: the lanes differ in the last bits, and a
+    process's bits must not depend on how busy the machine was when it started."""
+    return "amx" if amx_supported() else "dot" if dot_supported() else "fp32"
 
 
 def _default_lane() -> str:
-    """``QUICKDRAFT_ATTENTION`` (fp32 or dot) if set, else dot where the CPU has AVX512-BF16
-    (measured on the 2-core AVX512-BF16 EPYC: 0.67-0.83x the fp32 lane's time per call,
-    docs/kernels.md), else fp32."""
+    """``QUICKDRAFT_ATTENTION`` (fp32, dot or amx) if set and this CPU has it, else
+    :func:`_best_lane`."""
     forced = os.environ.get("QUICKDRAFT_ATTENTION", "").strip().lower()
+    best = _best_lane()
     if forced in LANES:
-        if forced == "dot" and not dot_supported():
-            log.warning("QUICKDRAFT_ATTENTION=dot: this CPU has no AVX512-BF16; using fp32")
-            return "fp32"
+        if LANES.index(forced) > LANES.index(best):
+            log.warning("QUICKDRAFT_ATTENTION=%s: this CPU cannot run it; using %s", forced, best)
+            return best
         return forced
     if forced:
         log.warning("QUICKDRAFT_ATTENTION=%s is not one of %s; ignored", forced, LANES)
-    return "dot" if dot_supported() else "fp32"
+    return best
 
 
 def dot_supported() -> bool:
@@ -141,12 +153,18 @@ def dot_supported() -> bool:
     return cbuild.cpu_has(_DOT_FLAGS)
 
 
+def amx_supported() -> bool:
+    """Whether this CPU has what the AMX lane needs (the dot lane's and AMX-BF16); Linux must
+    also grant the tile state, which the kernel asks for when the lane is chosen."""
+    return cbuild.cpu_has(_AMX_FLAGS)
+
+
 def lane() -> str:
-    """The lane this process computes attention with: ``"dot"`` or ``"fp32"`` (see the
-    module docstring); ``"fp32"`` when the kernel is not available. Builds and loads the
-    kernel if nothing has yet (see :func:`loaded_lane`)."""
+    """The lane this process computes attention with: one of :data:`LANES` (see the module
+    docstring); ``"fp32"`` when the kernel is not available. Builds and loads the kernel if
+    nothing has yet (see :func:`loaded_lane`)."""
     lib = _lib() if available() else None
-    return "dot" if lib is not None and lib.use_dot(-1) else "fp32"
+    return LANES[lib.use_lane(-1)] if lib is not None else "fp32"
 
 
 def loaded_lane() -> str | None:
@@ -168,10 +186,10 @@ def set_lane(name: str) -> str:
     lib = _lib() if available() else None
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available")
-    before = "dot" if lib.use_dot(-1) else "fp32"
-    if lib.use_dot(int(name == "dot")) != int(name == "dot"):
-        lib.use_dot(int(before == "dot"))
-        raise RuntimeError("this CPU has no AVX512-BF16: the dot lane cannot run")
+    before = LANES[lib.use_lane(-1)]
+    if LANES[lib.use_lane(LANES.index(name))] != name:  # refused: the lane stays
+        need = "AVX512-BF16" if name == "dot" else "AMX-BF16 (granted by Linux)"
+        raise RuntimeError(f"this CPU has no {need}: the {name} lane cannot run")
     return before
 
 

@@ -101,7 +101,7 @@ async def health(request: Request) -> Response:
         body["speculation"] = describe()
     if native := native_kernels(engine):  # "ok", or why a kernel fell back to torch
         body["native_kernels"] = native
-        if lane := attention_lane():  # "dot" (AVX512-BF16) or "fp32", once loaded
+        if lane := attention_lane():  # "amx", "dot" or "fp32", once loaded
             body["attention_lane"] = lane
         if missing := sorted(k for k, v in native.items() if v != "ok"):
             body["errors"] = [f"native kernel {k} unavailable: the slow torch fallback runs"
@@ -113,9 +113,10 @@ async def health(request: Request) -> Response:
 
 
 def attention_lane() -> str | None:
-    """The CPU attention kernel's lane in this process: ``"dot"`` (bf16 dot products, on
-    CPUs with AVX512-BF16) or ``"fp32"`` (see kernels.cpu_attention); None when the kernel
-    is not loaded (e.g. an fp32 model, which attends in torch)."""
+    """The CPU attention kernel's lane in this process: ``"amx"`` (bf16 tile multiplies, on
+    CPUs with AMX-BF16), ``"dot"`` (bf16 dot products, AVX512-BF16) or ``"fp32"`` (see
+    kernels.cpu_attention); None when the kernel is not loaded (e.g. an fp32 model, which
+    attends in torch)."""
     from quickdraft.kernels import cpu_attention
 
     return cpu_attention.loaded_lane()

@@ -1,6 +1,6 @@
 """A fixture that runs a CPU attention test module once per lane of ``cpu_attention`` this
-CPU can run (fp32 everywhere with AVX2; dot too with AVX512-BF16), restoring the
-process's lane afterwards."""
+CPU can run (fp32 everywhere with AVX2; dot too with AVX512-BF16; amx too with AMX-BF16
+that Linux grants), restoring the process's lane afterwards."""
 
 from __future__ import annotations
 
@@ -13,9 +13,20 @@ from quickdraft.kernels import cpu_attention
 
 
 def runnable_lanes() -> list[str]:
+    """The lanes this CPU runs, slowest first (fp32, dot, amx)."""
     if shutil.which("gcc") is None or not cpu_attention._cpu_supported():
         return ["fp32"]  # (the kernel's tests skip; one pass is enough)
-    return ["fp32", "dot"] if cpu_attention.dot_supported() else ["fp32"]
+    if not cpu_attention.dot_supported():
+        return ["fp32"]
+    if cpu_attention.amx_supported() and cpu_attention.available():
+        before = cpu_attention.lane()
+        try:  # Linux may still refuse the tile state
+            cpu_attention.set_lane("amx")
+        except RuntimeError:
+            return ["fp32", "dot"]
+        cpu_attention.set_lane(before)
+        return ["fp32", "dot", "amx"]
+    return ["fp32", "dot"]
 
 
 @pytest.fixture(autouse=True, params=runnable_lanes())

@@ -16,7 +16,10 @@ import torch
 from quickdraft.kernels import cpu_attention, torch_attention
 from quickdraft.kernels.attention_metadata import build_metadata
 from tests.kernels import attention_oracle as oracle
-from tests.kernels.attention_lanes import attention_lane  # noqa: F401 (autouse: every lane)
+from tests.kernels.attention_lanes import (
+    attention_lane,  # noqa: F401 (autouse: every lane)
+    runnable_lanes,
+)
 
 needs_kernel = pytest.mark.skipif(
     shutil.which("gcc") is None or not cpu_attention._cpu_supported(),
@@ -232,8 +235,9 @@ def _with_threads(threads: int, fn: Callable[..., torch.Tensor], *args: object) 
 @needs_kernel
 @pytest.mark.parametrize("ctx", [5, 33, 300, 517])
 @pytest.mark.parametrize("others", [False, True])
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (8, 1, 128, 5),
-                                                           (4, 4, 64, 1), (6, 2, 96, 7)])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [
+    (9, 3, 64, 16), (8, 1, 128, 5), (4, 4, 64, 1), (6, 2, 96, 7),
+    (12, 2, 128, 16), (16, 1, 64, 16), (17, 1, 64, 16)])  # AMX: 2, 1 rows a tile, none
 def test_verify_is_bit_identical_to_sequential_decode(ctx: int, others: bool, heads: int,
                                                       kv_heads: int, dim: int,
                                                       block_size: int) -> None:
@@ -304,8 +308,8 @@ def test_one_decode_row_on_two_threads_keeps_its_bits(ctx: int, lane: str) -> No
     offered threads, `_PARALLEL_LANES`) gives the same bits on 1 and 2 threads, in each
     attention lane this CPU has: after 100 positions (threaded since the kernel's
     QD_PAR_CTX became 64; one-head tasks), 300 and 1,024 (cut by positions)."""
-    if lane == "dot" and not cpu_attention.dot_supported():
-        pytest.skip("needs AVX512-BF16")
+    if lane not in runnable_lanes():
+        pytest.skip(f"this CPU cannot run the {lane} lane")
     q, kv, bt, sl, qsl, _ = _ragged_case([1], [ctx], 16, 9, 3, 64, seed=6)
     assert cpu_attention._PARALLEL_LANES <= 3
     before = cpu_attention.set_lane(lane)
@@ -441,34 +445,59 @@ def test_lane_switch_and_choice(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("QUICKDRAFT_ATTENTION", "fp32")
     assert cpu_attention._default_lane() == "fp32"
     monkeypatch.setenv("QUICKDRAFT_ATTENTION", "nonsense")
-    want = "dot" if cpu_attention.dot_supported() else "fp32"
-    assert cpu_attention._default_lane() == want  # ignored, with a warning
-    monkeypatch.setenv("QUICKDRAFT_ATTENTION", "dot")
-    assert cpu_attention._default_lane() == want
-    if not cpu_attention.dot_supported():
-        with pytest.raises(RuntimeError, match="AVX512-BF16"):
-            cpu_attention.set_lane("dot")
-        assert cpu_attention.lane() == "fp32"
+    best = cpu_attention._best_lane()  # the fastest lane this CPU's flags allow
+    assert best in runnable_lanes() or best == "amx"  # (Linux may refuse AMX's tiles)
+    assert cpu_attention._default_lane() == best  # ignored, with a warning
+    for name in cpu_attention.LANES:  # a lane the CPU lacks: the best it has
+        monkeypatch.setenv("QUICKDRAFT_ATTENTION", name)
+        lacks = cpu_attention.LANES.index(name) > cpu_attention.LANES.index(best)
+        assert cpu_attention._default_lane() == (best if lacks else name)
+        if name not in runnable_lanes():
+            with pytest.raises(RuntimeError, match="cannot run"):
+                cpu_attention.set_lane(name)
+            assert cpu_attention.lane() == current  # refused: the lane stays
+
+
+def _decode_per_lane(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+    """decode_attention's result in each lane this CPU runs."""
+    results = {}
+    for name in runnable_lanes():
+        before = cpu_attention.set_lane(name)
+        try:
+            got = cpu_attention.decode_attention(q, kv, tables, lens, scale)
+        finally:
+            cpu_attention.set_lane(before)
+        assert got is not None
+        results[name] = got
+    return results
 
 
 @needs_kernel
-@pytest.mark.skipif(not cpu_attention.dot_supported(), reason="needs AVX512-BF16")
-@pytest.mark.parametrize("dim,runs_dot", [(64, True), (128, True), (48, False)])
-def test_dot_lane_runs_where_head_dim_allows(dim: int, runs_dot: bool) -> None:
-    """The dot lane takes head_dim % 32 == 0 (else the fp32 lane's bits, exactly); where it
-    runs, its result differs from the fp32 lane's in the last bits only."""
+@pytest.mark.skipif(len(runnable_lanes()) < 2, reason="needs AVX512-BF16")
+@pytest.mark.parametrize("dim,runs_own", [(64, True), (128, True), (48, False)])
+def test_lanes_run_where_head_dim_allows(dim: int, runs_own: bool) -> None:
+    """The dot and AMX lanes take head_dim % 32 == 0 (else the fp32 lane's bits, exactly);
+    where they run, each result differs from the others in the last bits only."""
     q, kv, tables, lens, _ = _case(2, [300, 77], 16, 9, 3, dim, seed=5)
-    results = {}
-    for name in cpu_attention.LANES:
-        before = cpu_attention.set_lane(name)
-        try:
-            results[name] = cpu_attention.decode_attention(q, kv, tables, lens, dim ** -0.5)
-        finally:
-            cpu_attention.set_lane(before)
-    fp32, dot = results["fp32"], results["dot"]
-    assert fp32 is not None and dot is not None
-    assert torch.equal(fp32, dot) is not runs_dot
-    torch.testing.assert_close(dot.float(), fp32.float(), atol=1e-2, rtol=1e-2)
+    results = _decode_per_lane(q, kv, tables, lens, dim ** -0.5)
+    fp32 = results.pop("fp32")
+    for name, got in results.items():  # (the dot and AMX lanes round P to bf16 alike: they
+        # differ only where an fp32 sum's last bit moves a bf16 rounding, rarely)
+        assert torch.equal(fp32, got) is not runs_own, name
+        torch.testing.assert_close(got.float(), fp32.float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads", [16, 17])
+def test_sixteen_and_more_heads_a_kv_head(heads: int) -> None:
+    """A tile multiply of the AMX lane takes 16 query heads: 16 a kv head fill one, more run
+    the dot lane's code; in every lane the rows of a verification match the oracle."""
+    q, kv, bt, sl, qsl, _ = _ragged_case([3, 1], [300, 45], 16, heads, 1, 64, seed=heads)
+    got = cpu_attention.ragged_attention(q, kv, bt, sl, qsl, 0.125)
+    want = oracle.ragged_attention(q, kv, bt, sl, qsl, 0.125)
+    assert got is not None
+    torch.testing.assert_close(got.float(), want.float(), **TOL)
 
 
 @needs_kernel
