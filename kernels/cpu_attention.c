@@ -521,7 +521,7 @@ static int run_tasks(const Args* a, int num_tokens, long long total, int nthread
     if (nthreads <= 0) nthreads = omp_get_max_threads();
     if (total <= QD_PAR_CTX) nthreads = 1;
     const int room = (num_tokens > 0 ? num_tokens : 1) * a->kv_heads
-                     + a->num_seqs * (nthreads > 1 ? 2 * nthreads : 1);
+                     + a->num_seqs * (nthreads > 1 ? 3 * nthreads : 1);
     Task* tasks = malloc((size_t)room * sizeof(Task));
     if (tasks == NULL) return QD_ENOMEM;
     size_t part_floats = 0;

@@ -53,11 +53,14 @@ static void add_tasks(const Args* a, int s, int parts, int h0, int h1, Task* tas
     }
 }
 
-/* Cuts sequence s (all its rows and kv heads in each task) into up to parts runs of whole
- * segments, appended to tasks[*n]; every cut lies below every row's end (at most the
- * positions before its new tokens), so each part sees some of every lane. The floats of
- * segment states its parts share (see Task) are added to *part_floats; until run_tasks
- * allocates them, the tasks' part holds their offset + 1. Returns how many parts. */
+/* Cuts sequence s (all its kv heads in each task) into up to parts runs of whole segments,
+ * appended to tasks[*n]; every cut lies below every row's end (at most the positions before
+ * its new tokens), so each part sees some of every lane. The last run, which holds each row's
+ * own last positions (walked row by row), is cut by rows too, into min(q_len, parts / 2)
+ * groups: with a few rows sharing every earlier chunk (the AMX lane's tiles take them
+ * together), the rows' own chunks can outweigh a run. The floats of segment states its parts
+ * share (see Task) are added to *part_floats; until run_tasks allocates them, the tasks'
+ * part holds their offset + 1. Returns how many tasks. */
 static int add_split(const Args* a, int s, int parts, Task* tasks, int* n,
                      size_t* part_floats) {
     const int first = a->qsl == NULL ? s : a->qsl[s];
@@ -69,20 +72,25 @@ static int add_split(const Args* a, int s, int parts, Task* tasks, int* n,
         int cut = k == parts ? INT32_MAX : (int)((long long)nseg * k / parts);
         if (cut != INT32_MAX && cut > top) cut = top;
         if (cut != INT32_MAX && cut <= prev) continue;
-        Task* t = &tasks[(*n)++];
-        t->s = s;
-        t->t0 = first;
-        t->t1 = first + q_len;
-        t->h0 = 0;
-        t->h1 = a->kv_heads;
-        t->plo = prev * QD_SEGMENT;
-        t->phi = cut == INT32_MAX ? INT32_MAX : cut * QD_SEGMENT;
-        t->nseg = nseg;
-        t->part = (float*)(uintptr_t)(*part_floats + 1); /* an offset + 1 until allocated */
-        t->cost = (long long)q_len * a->kv_heads
-                  * ((cut == INT32_MAX ? ctx : t->phi) - t->plo);
+        int groups = cut == INT32_MAX ? parts / 2 : 1;
+        if (groups > q_len) groups = q_len;
+        if (groups < 1) groups = 1;
+        for (int g = 0; g < groups; ++g) {
+            Task* t = &tasks[(*n)++];
+            t->s = s;
+            t->t0 = first + (int)((long long)q_len * g / groups);
+            t->t1 = first + (int)((long long)q_len * (g + 1) / groups);
+            t->h0 = 0;
+            t->h1 = a->kv_heads;
+            t->plo = prev * QD_SEGMENT;
+            t->phi = cut == INT32_MAX ? INT32_MAX : cut * QD_SEGMENT;
+            t->nseg = nseg;
+            t->part = (float*)(uintptr_t)(*part_floats + 1); /* offset + 1 until allocated */
+            t->cost = (long long)(t->t1 - t->t0) * a->kv_heads
+                      * ((cut == INT32_MAX ? ctx : t->phi) - t->plo);
+            ++made;
+        }
         prev = cut;
-        ++made;
     }
     *part_floats += (size_t)q_len * a->kv_heads * nseg * (G * a->d + 2 * G);
     return made;
@@ -102,7 +110,7 @@ static int by_cost_desc(const void* x, const void* y) {
  * takes one kv head a task, its rows cut into groups until there are enough tasks. Each task
  * has at most QD_MAX_ROWS rows and QD_MAX_LANES (row, kv head) lanes of QD_ROW_FLOATS floats
  * of q in all. How rows, heads and positions are grouped never changes a lane's arithmetic.
- * tasks: room for num_tokens * kv_heads + num_seqs * 2 * nthreads. *part_floats: the floats
+ * tasks: room for num_tokens * kv_heads + num_seqs * 3 * nthreads. *part_floats: the floats
  * split sequences need (0: none). Returns how many tasks were filled. */
 static int make_tasks(const Args* a, int nthreads, Task* tasks, size_t* part_floats) {
     const int GD = a->heads / a->kv_heads * a->d, KH = a->kv_heads;
