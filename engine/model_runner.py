@@ -81,12 +81,14 @@ def model_kv_bytes_per_block(model: LlamaForCausalLM, block_size: int) -> int:
 def allocate_kv_caches(model: LlamaForCausalLM, num_blocks: int,
                        block_size: int) -> list[torch.Tensor]:
     """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer, on the
-    model's device."""
+    model's device, resident from the start (as ``torch.zeros`` makes it: no page faults
+    while serving)."""
     s = model.shape
     device = model.embed_tokens.device
     shape = (2, num_blocks, block_size, s.num_kv_heads, s.head_dim)
     if device.type == "cpu":  # on 2 MiB pages where the machine allows (kernels.huge_pages)
-        return [huge_pages.zeros(shape, model.dtype) for _ in range(s.num_layers)]
+        return [huge_pages.zeros(shape, model.dtype, populate=True)
+                for _ in range(s.num_layers)]
     return [torch.zeros(*shape, dtype=model.dtype, device=device) for _ in range(s.num_layers)]
 
 

@@ -42,10 +42,15 @@ def thp_mode() -> str | None:
     return text[start + 1:end] if 0 <= start < end else None
 
 
-def _advised_buffer(nbytes: int) -> torch.Tensor | None:
+# madvise(MADV_POPULATE_WRITE): fault a range in now, writable (Linux 5.14+; the mmap module
+# names it from Python 3.12)
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _advised_buffer(nbytes: int, populate: bool = False) -> torch.Tensor | None:
     """``nbytes`` zero bytes (uint8) starting on a 2 MiB boundary of an anonymous mapping
-    advised onto huge pages, untouched (the kernel fills pages on first use); None where
-    that is impossible."""
+    advised onto huge pages: untouched (the kernel fills pages on first use), or with
+    ``populate`` every page faulted in now; None where that is impossible."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or thp_mode() not in ("always", "madvise"):
         return None
@@ -60,15 +65,24 @@ def _advised_buffer(nbytes: int) -> torch.Tensor | None:
         buffer.madvise(advice, skip, min(length, len(buffer) - skip))
     except (OSError, ValueError):
         return None
+    if populate:
+        try:
+            buffer.madvise(_POPULATE_WRITE, skip, min(length, len(buffer) - skip))
+        except (OSError, ValueError):  # an older kernel: write every page instead
+            raw[skip:skip + nbytes].zero_()
     return raw[skip:skip + nbytes]
 
 
-def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def zeros(shape: Sequence[int], dtype: torch.dtype, *, populate: bool = False) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` (CPU) on huge pages where it can be: a KV cache
-    pool, read block by block every step. Untouched until written, so a large pool costs
-    no time or resident memory up front."""
+    pool, read block by block every step. ``populate``: every page faulted in now (as
+    ``torch.zeros`` does, writing them), else each is on its first write. A KV pool is
+    populated: a huge page's first fault zeroes 2 MiB, and on a VM whose host backs memory
+    lazily it cost ~2.7 ms (1 GiB in 1.4 s; 0.1 s once the host had backed it), so a lazy pool
+    made whichever request first wrote a new stretch of blocks pay ~60 such faults a step (a
+    prefill of 8 prompts 2x its time, on the 2-core AMX Xeon VM; docs/kernels.md)."""
     numel = math.prod(shape)
-    raw = _advised_buffer(numel * dtype.itemsize) if numel else None
+    raw = _advised_buffer(numel * dtype.itemsize, populate) if numel else None
     if raw is None:
         return torch.zeros(*shape, dtype=dtype)
     return raw.view(dtype).view(*shape)

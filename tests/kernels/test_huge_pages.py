@@ -4,6 +4,7 @@ where the advice is unavailable the tensors come back as they were."""
 from __future__ import annotations
 
 import mmap
+import os
 
 import pytest
 import torch
@@ -52,3 +53,27 @@ def test_zeros_are_zeros_of_the_shape() -> None:
     t[1, 4].fill_(2.0)  # writable, every element
     assert t.sum().item() == 2.0 * 16 * 3 * 64
     assert huge_pages.zeros((0, 4), torch.float32).shape == (0, 4)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+@pytest.mark.parametrize("kernel_populates", [True, False])
+def test_populated_zeros_are_resident_from_the_start(monkeypatch: pytest.MonkeyPatch,
+                                                     kernel_populates: bool) -> None:
+    """``populate`` faults every page in at once (madvise, else by writing them: an older
+    kernel refuses the advice); without it the pages wait for their first write."""
+    if not kernel_populates:
+        monkeypatch.setattr(huge_pages, "_POPULATE_WRITE", -1)  # (an advice none knows)
+    size = 64 << 20
+    before = _resident_bytes()
+    lazy = huge_pages.zeros((size,), torch.uint8)
+    mid = _resident_bytes()
+    t = huge_pages.zeros((size,), torch.uint8, populate=True)
+    after = _resident_bytes()
+    assert after - mid >= size * 0.9
+    assert mid - before < size * 0.5
+    assert not t.any() and t.shape == (size,) and not lazy[:4096].any()
