@@ -5,12 +5,14 @@ all query heads of a kv-head group together (GQA: each K/V row is read once per 
 uses an online softmax in fp32 over chunks of positions, started afresh every 128 visible
 positions and folded segment by segment (so that a long context can be split between threads
 by positions without changing a bit: one decode row after ~1,800 positions ~0.8x the step's
-time on the 2-core AVX2-only EPYC, docs/kernels.md). Two lanes compute it (one per
-process, :func:`lane`): on a CPU with AVX512-BF16, q K^T and P V are bf16 pair dot products
+time on the 2-core AVX2-only EPYC, docs/kernels.md). Three lanes compute it (one per
+process, :func:`lane`): on a CPU with AMX-BF16, q K^T and P V are tile multiplies
+(``tdpbf16ps``, up to 16 query heads a tile: a row's heads, or several rows' in the chunks
+they share; ``cpu_attention_amx.h``); with AVX512-BF16, bf16 pair dot products
 (``vdpbf16ps``, fp32 accumulation, P rounded to bf16 first as GPU flash attention does;
 ``cpu_attention_dot.h``); elsewhere, or with ``QUICKDRAFT_ATTENTION=fp32``, K and V are
-converted to fp32 and multiplied with fp32 FMAs (``cpu_attention_lane.h``). They differ in
-the last bits, and each keeps every invariant below. A sequence's query rows (draft rows
+converted to fp32 and multiplied with fp32 FMAs (``cpu_attention_lane.h``). They may differ
+in the last bits, and each keeps every invariant below. A sequence's query rows (draft rows
 being verified, a prefill chunk) share each chunk of K/V read from the cache: at long
 contexts the kernel is memory-bound, so the extra rows cost little more than their
 arithmetic. It is built with gcc on first use
@@ -126,8 +128,9 @@ def _lib() -> _Lib | None:
 def _best_lane() -> str:
     """The fastest lane this CPU has: amx, else dot, else fp32. Measured (benchmarks/
     attention_lanes.py): dot 0.67-0.83x the fp32 lane's time per call on the 2-core
-    AVX512-BF16 EPYC; amx ... the dot lane's on the 2-core AMX Xeon (docs/kernels.md). By
-    the CPU's flags, not by a timing at start-up: the lanes differ in the last bits, and a
+    AVX512-BF16 EPYC; amx 0.57-1.00x the dot lane's on the 2-core AMX Xeon (1.00 for one
+    row after 256 positions, 0.57 for 8 rows after 1,024; docs/kernels.md). By the CPU's
+    flags, not by a timing at start-up: the lanes may differ in the last bits, and a
     process's bits must not depend on how busy the machine was when it started."""
     return "amx" if amx_supported() else "dot" if dot_supported() else "fp32"
 

@@ -55,10 +55,12 @@ static void add_tasks(const Args* a, int s, int parts, int h0, int h1, Task* tas
 
 /* Cuts sequence s (all its kv heads in each task) into up to parts runs of whole segments,
  * appended to tasks[*n]; every cut lies below every row's end (at most the positions before
- * its new tokens), so each part sees some of every lane. The last run, which holds each row's
- * own last positions (walked row by row), is cut by rows too, into min(q_len, parts / 2)
- * groups: with a few rows sharing every earlier chunk (the AMX lane's tiles take them
- * together), the rows' own chunks can outweigh a run. The floats of segment states its parts
+ * its new tokens), so each part sees some of every lane. The last run holds each row's own
+ * last positions (walked row by row); when it holds less than a segment before the new
+ * tokens it is cut by rows too, into min(q_len, parts / 2) groups: with a few rows sharing
+ * every earlier chunk (the AMX lane's tiles take them together), the rows' own chunks then
+ * outweigh a run (a longer last run is not: each group would walk its shared chunks again).
+ * The floats of segment states its parts
  * share (see Task) are added to *part_floats; until run_tasks allocates them, the tasks'
  * part holds their offset + 1. Returns how many tasks. */
 static int add_split(const Args* a, int s, int parts, Task* tasks, int* n,
@@ -72,7 +74,8 @@ static int add_split(const Args* a, int s, int parts, Task* tasks, int* n,
         int cut = k == parts ? INT32_MAX : (int)((long long)nseg * k / parts);
         if (cut != INT32_MAX && cut > top) cut = top;
         if (cut != INT32_MAX && cut <= prev) continue;
-        int groups = cut == INT32_MAX ? parts / 2 : 1;
+        int groups = cut == INT32_MAX && ctx - q_len - prev * QD_SEGMENT < QD_SEGMENT
+                     ? parts / 2 : 1;
         if (groups > q_len) groups = q_len;
         if (groups < 1) groups = 1;
         for (int g = 0; g < groups; ++g) {
