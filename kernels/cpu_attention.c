@@ -37,8 +37,10 @@
  * threads (cpu_attention_tasks.h: its parts store their segments' states, merge_split folds
  * them) with the bits of the same lane computed whole, in one task. In the fp32
  * lane all math is fp32 (bf16 -> fp32 by shift; q is pre-multiplied by scale); the dot lane
- * (cpu_attention_dot.h, AVX512-BF16, chosen per process: qd_attention_use_dot) takes q K^T and
- * P V as bf16 pair dot products with fp32 sums, the rest as the fp32 lane. The output is
+ * (cpu_attention_dot.h, AVX512-BF16) takes q K^T and P V as bf16 pair dot products with fp32
+ * sums, the rest as the fp32 lane; the AMX lane (cpu_attention_amx.h, AMX-BF16) takes them as
+ * tile multiplies, up to 16 query heads a tile (a row's, or in a task's shared chunks several
+ * rows'), each tile row on its own. One lane per process (qd_attention_use_lane). The output is
  * rounded to bf16 (round-to-nearest-even). exp is a Cephes-style polynomial (rel. error ~1e-7).
  *
  * Tasks run on OpenMP threads only when there is enough work (QD_PAR_TASKS tasks and more
@@ -55,7 +57,7 @@
 
 #include "cpu_attention_lane.h"
 /* the dot lane needs a compiler that knows AVX512-BF16 (GCC 10+); without one it is left
- * out and qd_attention_use_dot refuses it */
+ * out and qd_attention_use_lane refuses it */
 #if defined(__clang__) ? (__clang_major__ >= 11) : (defined(__GNUC__) && __GNUC__ >= 10)
 #define QD_HAVE_DOT 1
 #include "cpu_attention_dot.h"
@@ -76,6 +78,9 @@
 #define QD_MAX_ROWS 16       /* max query rows per task */
 #define QD_MAX_LANES 64      /* max (query row, kv head) pairs per task */
 #define QD_ROW_FLOATS 8192   /* max lanes * (query heads per kv head) * head_dim per task */
+#if QD_HAVE_AMX /* its bf16 q (QD_ROW_FLOATS values at most) and 16 rows of zeros in qs */
+_Static_assert(QD_AMX_HEADS * QD_MAX_D <= QD_ROW_FLOATS, "the AMX lane's q fits qs");
+#endif
 #define QD_PAR_TASKS 2
 #define QD_PAR_CTX 64  /* threads above this many visible positions a call (docs/kernels.md) */
 
@@ -290,7 +295,8 @@ static QD_TARGET int attend_task(const Args* a, const Task* task) {
         }
     }
     if (lane_kind == QD_LANE_AMX) /* a tile reads 16 rows of q from any row: zeros past */
-        memset((uint16_t*)qs + (size_t)NH * R * GD, 0, (size_t)QD_AMX_HEADS * D * sizeof(uint16_t));
+        memset((uint16_t*)qs + (size_t)NH * R * GD, 0,
+               (size_t)QD_AMX_HEADS * D * sizeof(uint16_t));
     /* the shared whole chunks in [lo, hi): contiguous positions, converted once per head for
      * all R rows; the next chunk's K/V rows of a head are prefetched before this one's are
      * computed */
