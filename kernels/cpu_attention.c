@@ -450,7 +450,7 @@ static int lane_runs_here(int lane) {
 #if QD_HAVE_AMX
     if (lane == QD_LANE_AMX)
         return dot && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16")
-               && amx_permitted();
+               && qd_amx_permitted();
 #endif
 #endif
     return 0;

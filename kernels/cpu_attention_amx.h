@@ -17,8 +17,10 @@
  * row of C depends only on its row of A and on B; checked on the 2-core AMX Xeon VM, and by
  * the tests: verification rows against lone decodes). So a lane's bits depend only on its q,
  * the chunk and its state, as in the other lanes: the same whatever else is in the step,
- * however lanes are grouped into tasks, whatever the thread count. The lanes differ in the
- * last bits (tdpbf16ps sums in another order than vdpbf16ps). Needs head_dim % 32 == 0 and
+ * however lanes are grouped into tasks, whatever the thread count. The lanes may differ in
+ * the last bits (tdpbf16ps sums in another order than vdpbf16ps; in practice the outputs
+ * equalled the dot lane's on random inputs: both round P to bf16, and an fp32 sum's last bit
+ * moves a bf16 output only at a rounding boundary). Needs head_dim % 32 == 0 and
  * at most 16 heads per kv head (cpu_attention.c falls back to the dot lane otherwise).
  *
  * Tiles (every one 16 rows of 64 bytes, configured once a task: the configuration is a
@@ -34,9 +36,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "cpu_amx.h"
 #include "cpu_attention_dot.h"
 #include "cpu_attention_lane.h"
 
@@ -44,35 +45,15 @@
     "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,amx-tile,amx-bf16")))
 #define QD_AMX_HEADS 16 /* query heads a tile multiply takes (its rows) */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16]; /* bytes a row */
-    uint8_t rows[16];
-} QdAttentionTiles;
-
-/* Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
- * 1 when granted (or already), 0 otherwise (an older kernel, a hypervisor hiding it). */
-static int amx_permitted(void) {
-#if defined(SYS_arch_prctl)
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-#else
-    return 0;
-#endif
-}
-
 /* This thread's tiles 0-6, every one 16 rows of 64 bytes. */
 static QD_AMX_TARGET void amx_tiles_configure(void) {
-    QdAttentionTiles c;
+    QdTileConfig c;
     memset(&c, 0, sizeof c);
-    c.palette = 1;
     for (int t = 0; t < 7; ++t) {
         c.rows[t] = 16;
         c.colsb[t] = 64;
     }
-    /* (gcc's ldtilecfg names only the first byte as its input: without this barrier the
-     * stores above are dropped as dead) */
-    __asm__ __volatile__("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    qd_tiles_load(&c);
 }
 
 static QD_AMX_TARGET void amx_tiles_release(void) { _tile_release(); }
@@ -176,7 +157,8 @@ static QD_AMX_TARGET void rows_chunk_amx(const uint16_t* qa, float* const* acc,
         float* a = acc[x / G] + (size_t)(x % G) * D;
         const float* p = pv + (size_t)x * D;
         for (int dd = 0; dd < D; dd += 16)
-            _mm512_storeu_ps(a + dd, _mm512_add_ps(_mm512_loadu_ps(a + dd), _mm512_load_ps(p + dd)));
+            _mm512_storeu_ps(a + dd,
+                             _mm512_add_ps(_mm512_loadu_ps(a + dd), _mm512_load_ps(p + dd)));
     }
 }
 

@@ -23,8 +23,7 @@
  *
  * Included by cpu_q4q8.c only (it uses its helpers: load4, prefetch_ahead, store_rows,
  * store_rows16, scales16). */
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
 
 #define QD_AMX __attribute__((target( \
     "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")))
@@ -38,27 +37,13 @@
  * (docs/kernels.md). */
 #define QD_AMX_BATCH 8  /* blocks whose isums are computed before their fp32 part runs */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];  /* bytes a row */
-    uint8_t rows[16];
-} QdTileConfig;
-
-/* Ask Linux for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA):
- * 1 when granted (or already), 0 otherwise (an older kernel, a hypervisor hiding it). */
-int qd_amx_enable(void) {
-#if defined(SYS_arch_prctl)
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-#else
-    return 0;
-#endif
-}
+/* Ask Linux for the AMX tile state (cpu_amx.h): 1 when granted (or already), else 0. */
+int qd_amx_enable(void) { return qd_amx_permitted(); }
 
 /* Load this thread's tile shapes for passes of R rows (1..16) and ``columns`` (16 or 8). */
 static QD_AMX void amx_configure(int R, int columns) {
     QdTileConfig c;
     memset(&c, 0, sizeof c);
-    c.palette = 1;
     for (int set = 0; set < 2; set++) {
         c.rows[3 * set] = (uint8_t)R;      c.colsb[3 * set] = 32;  /* x: R rows of 32 int8 */
         c.rows[3 * set + 1] = 8;           /* weights: [k/4][columns][4] codes */
@@ -66,10 +51,7 @@ static QD_AMX void amx_configure(int R, int columns) {
         c.rows[3 * set + 2] = (uint8_t)R;  /* isum: [R][columns] int32 */
         c.colsb[3 * set + 2] = (uint16_t)(4 * columns);
     }
-    /* (gcc's ldtilecfg names only the first byte as its input: without this barrier the
-     * stores above are dropped as dead) */
-    __asm__ __volatile__("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    qd_tiles_load(&c);
 }
 
 static QD_AMX void amx_release(void) { _tile_release(); }

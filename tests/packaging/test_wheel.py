@@ -55,7 +55,7 @@ def test_the_wheel_holds_one_package_with_kernel_sources_and_the_ui(wheel: Path)
                    "quickdraft/kernels/cpu_attention.c", "quickdraft/kernels/cpu_layer.cpp",
                    "quickdraft/kernels/cpu_attention_lane.h", "quickdraft/kernels/cpu_bf16.h",
                    "quickdraft/kernels/cpu_attention_tasks.h",
-                   "quickdraft/kernels/cpu_attention_amx.h",
+                   "quickdraft/kernels/cpu_attention_amx.h", "quickdraft/kernels/cpu_amx.h",
                    "quickdraft/spec/suffix_tree.c", "quickdraft/web/index.html",
                    "quickdraft/web/app.js", "quickdraft/web/vendor/marked.esm.js",
                    "quickdraft/engine/models/llama.py", "quickdraft/__main__.py"):
