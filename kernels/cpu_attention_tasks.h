@@ -60,9 +60,9 @@ static void add_tasks(const Args* a, int s, int parts, int h0, int h1, Task* tas
  * tokens it is cut by rows too, into min(q_len, parts / 2) groups: with a few rows sharing
  * every earlier chunk (the AMX lane's tiles take them together), the rows' own chunks then
  * outweigh a run (a longer last run is not: each group would walk its shared chunks again).
- * The floats of segment states its parts
- * share (see Task) are added to *part_floats; until run_tasks allocates them, the tasks'
- * part holds their offset + 1. Returns how many tasks. */
+ * The floats of segment states its parts share (see Task) are added to *part_floats; until
+ * run_tasks allocates them, the tasks' part holds their offset + 1. Returns how many tasks
+ * (at most 1.5 parts). */
 static int add_split(const Args* a, int s, int parts, Task* tasks, int* n,
                      size_t* part_floats) {
     const int first = a->qsl == NULL ? s : a->qsl[s];

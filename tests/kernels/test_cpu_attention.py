@@ -478,7 +478,7 @@ def _decode_per_lane(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor,
 @pytest.mark.parametrize("dim,runs_own", [(64, True), (128, True), (48, False)])
 def test_lanes_run_where_head_dim_allows(dim: int, runs_own: bool) -> None:
     """The dot and AMX lanes take head_dim % 32 == 0 (else the fp32 lane's bits, exactly);
-    where they run, each result differs from the others in the last bits only."""
+    where they run, each result differs from the fp32 lane's in the last bits only."""
     q, kv, tables, lens, _ = _case(2, [300, 77], 16, 9, 3, dim, seed=5)
     results = _decode_per_lane(q, kv, tables, lens, dim ** -0.5)
     fp32 = results.pop("fp32")
