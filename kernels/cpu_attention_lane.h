@@ -37,7 +37,8 @@ QD_INLINE __m256 hsum8(const __m256* a) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* exp(x) for x <= 0 (clamped below so that 2^n stays normal). */
+/* exp(x) for x <= 0 (clamped below so that 2^n stays normal). The AMX lane's exp16
+ * (cpu_attention_amx.h) is the same operations in 16 lanes: keep the two alike. */
 QD_INLINE __m256 exp_ps(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
     x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
