@@ -128,8 +128,8 @@ def _lib() -> _Lib | None:
 def _best_lane() -> str:
     """The fastest lane this CPU has: amx, else dot, else fp32. Measured (benchmarks/
     attention_lanes.py): dot 0.67-0.83x the fp32 lane's time per call on the 2-core
-    AVX512-BF16 EPYC; amx 0.57-1.00x the dot lane's on the 2-core AMX Xeon (1.00 for one
-    row after 256 positions, 0.57 for 8 rows after 1,024; docs/kernels.md). By the CPU's
+    AVX512-BF16 EPYC; amx 0.54-0.98x the dot lane's on the 2-core AMX Xeon (0.98 for one
+    row after 256 positions, 0.54 for 8 rows after 1,024; docs/kernels.md). By the CPU's
     flags, not by a timing at start-up: the lanes may differ in the last bits, and a
     process's bits must not depend on how busy the machine was when it started."""
     return "amx" if amx_supported() else "dot" if dot_supported() else "fp32"
@@ -181,9 +181,9 @@ def loaded_lane() -> str | None:
 def set_lane(name: str) -> str:
     """Switch every later call (the native layer's too) to lane ``name``; returns the lane
     before. For tests and benchmarks that compare the lanes: a server keeps the lane it
-    started with (the lanes differ in the last bits, and decoding and verification must
-    agree). Raises ValueError for an unknown lane, RuntimeError when ``"dot"`` cannot run
-    here or the kernel is not available."""
+    started with (the lanes may differ in the last bits, and decoding and verification must
+    agree). Raises ValueError for an unknown lane, RuntimeError when this CPU cannot run
+    ``name`` (the lane in use stays) or the kernel is not available."""
     if name not in LANES:
         raise ValueError(f"lane must be one of {LANES}, got {name!r}")
     lib = _lib() if available() else None
