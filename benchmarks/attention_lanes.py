@@ -62,16 +62,11 @@ def main() -> int:
     args = p.parse_args()
     if not cpu_attention.available():
         p.error("the CPU attention kernel is not available here (gcc, AVX2/FMA)")
-    if not cpu_attention.dot_supported():
+    lanes = list(cpu_attention.runnable_lanes())
+    if len(lanes) < 2:
         p.error("this CPU has no AVX512-BF16: only the fp32 lane runs here")
     torch.manual_seed(0)
     start_lane = cpu_attention.lane()
-    lanes = ["fp32", "dot"]
-    try:
-        cpu_attention.set_lane("amx")
-        lanes.append("amx")
-    except RuntimeError:
-        pass  # no AMX-BF16 here (or Linux refused its tiles)
     scale = HEAD_DIM ** -0.5
     data, rows_out = [], []
     for seqs, context, rows in CASES:

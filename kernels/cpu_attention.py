@@ -170,6 +170,20 @@ def lane() -> str:
     return LANES[lib.use_lane(-1)] if lib is not None else "fp32"
 
 
+def runnable_lanes() -> tuple[str, ...]:
+    """The lanes this process can run, slowest first (a subset of :data:`LANES`): each one
+    asked of the kernel (for amx, Linux must grant the tile state), the lane in use kept;
+    ``("fp32",)`` when the kernel is not available. Builds and loads the kernel if nothing
+    has yet."""
+    lib = _lib() if available() else None
+    if lib is None:
+        return ("fp32",)
+    current = lib.use_lane(-1)
+    runs = tuple(name for i, name in enumerate(LANES) if lib.use_lane(i) == i)
+    lib.use_lane(current)
+    return runs
+
+
 def loaded_lane() -> str | None:
     """:func:`lane` if the kernel is already loaded in this process, else None; never builds
     (for ``/health``, which must not wait on a compiler)."""

@@ -58,27 +58,10 @@ static QD_AMX_TARGET void amx_tiles_configure(void) {
 
 static QD_AMX_TARGET void amx_tiles_release(void) { _tile_release(); }
 
-/* exp_ps (cpu_attention_lane.h) in 16 lanes: the same operations, so the same values (keep
- * the two alike). Two exp_ps calls on the halves made a chunk's step 1.22-1.37x slower
- * (`/work/prof/s56/micro`, 1 and 5 rows). */
-static inline __attribute__((always_inline)) QD_AMX_TARGET __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-    const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+/* exp_ps (cpu_attention_lane.h) in 16 lanes: the same definition (QD_DEFINE_EXP), so the
+ * same values. (Two exp_ps calls on the halves made a chunk's step 1.22-1.37x slower,
+ * `/work/prof/s56/micro`, 1 and 5 rows.) */
+QD_DEFINE_EXP(exp16, 512, _mm512_roundscale_ps, QD_AMX_TARGET)
 
 /* One head's online-softmax step over a chunk of n raw scores s [QD_CHUNK] (q.k, not yet
  * scaled): the running max *m and sum *l, acc [D] rescaled when the max rises, and the

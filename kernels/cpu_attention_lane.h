@@ -37,26 +37,32 @@ QD_INLINE __m256 hsum8(const __m256* a) {
                          _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* exp(x) for x <= 0 (clamped below so that 2^n stays normal). The AMX lane's exp16
- * (cpu_attention_amx.h) is the same operations in 16 lanes: keep the two alike. */
-QD_INLINE __m256 exp_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-    const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i n = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
+/* exp(x) for x <= 0 (clamped below so that 2^n stays normal), elementwise in vectors of W
+ * bits: NAME(__mW x) with target ATTRS, ROUND the width's round-to-nearest. One definition
+ * for every width, so that each lane gets the same values: exp_ps (8 lanes, below) and the
+ * AMX lane's exp16 (cpu_attention_amx.h). */
+#define QD_DEFINE_EXP(NAME, W, ROUND, ATTRS)                                                 \
+    static inline __attribute__((always_inline)) ATTRS __m##W NAME(__m##W x) {             \
+        x = _mm##W##_max_ps(x, _mm##W##_set1_ps(-87.0f));                                   \
+        x = _mm##W##_min_ps(x, _mm##W##_set1_ps(88.0f));                                    \
+        const __m##W fx = ROUND(_mm##W##_mul_ps(x, _mm##W##_set1_ps(1.44269504088896341f)), \
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);            \
+        __m##W r = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(0.693359375f), x);               \
+        r = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(-2.12194440e-4f), r);                   \
+        __m##W y = _mm##W##_set1_ps(1.9875691500e-4f);                                      \
+        y = _mm##W##_fmadd_ps(y, r, _mm##W##_set1_ps(1.3981999507e-3f));                    \
+        y = _mm##W##_fmadd_ps(y, r, _mm##W##_set1_ps(8.3334519073e-3f));                    \
+        y = _mm##W##_fmadd_ps(y, r, _mm##W##_set1_ps(4.1665795894e-2f));                    \
+        y = _mm##W##_fmadd_ps(y, r, _mm##W##_set1_ps(1.6666665459e-1f));                    \
+        y = _mm##W##_fmadd_ps(y, r, _mm##W##_set1_ps(5.0000001201e-1f));                    \
+        y = _mm##W##_fmadd_ps(y, _mm##W##_mul_ps(r, r),                                     \
+                              _mm##W##_add_ps(r, _mm##W##_set1_ps(1.0f)));                  \
+        const __m##W##i n = _mm##W##_slli_epi32(                                            \
+            _mm##W##_add_epi32(_mm##W##_cvtps_epi32(fx), _mm##W##_set1_epi32(127)), 23);    \
+        return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(n));                              \
+    }
+
+QD_DEFINE_EXP(exp_ps, 256, _mm256_round_ps, QD_TARGET)
 
 /* max(s[0..n)), n >= 1, 8 lanes at a time (max is exact: the same value as a scalar scan;
  * the scores are finite). */

@@ -16,17 +16,7 @@ def runnable_lanes() -> list[str]:
     """The lanes this CPU runs, slowest first (fp32, dot, amx)."""
     if shutil.which("gcc") is None or not cpu_attention._cpu_supported():
         return ["fp32"]  # (the kernel's tests skip; one pass is enough)
-    if not cpu_attention.dot_supported():
-        return ["fp32"]
-    if cpu_attention.amx_supported() and cpu_attention.available():
-        before = cpu_attention.lane()
-        try:  # Linux may still refuse the tile state
-            cpu_attention.set_lane("amx")
-        except RuntimeError:
-            return ["fp32", "dot"]
-        cpu_attention.set_lane(before)
-        return ["fp32", "dot", "amx"]
-    return ["fp32", "dot"]
+    return list(cpu_attention.runnable_lanes())
 
 
 @pytest.fixture(autouse=True, params=runnable_lanes())

@@ -439,6 +439,9 @@ def test_lane_switch_and_choice(monkeypatch: pytest.MonkeyPatch,
                                 request: pytest.FixtureRequest) -> None:
     current = request.node.callspec.params["attention_lane"]
     assert cpu_attention.lane() == current
+    runs = cpu_attention.runnable_lanes()  # asking each lane of the kernel keeps this one
+    assert cpu_attention.lane() == current and runs[0] == "fp32" and current in runs
+    assert ("dot" in runs) == cpu_attention.dot_supported()
     with pytest.raises(ValueError, match="lane must be one of"):
         cpu_attention.set_lane("fp16")
     assert cpu_attention.lane() == current  # a refused switch changes nothing
