@@ -212,6 +212,7 @@ class AsyncLLM:
             "spec_num_tree_steps": spec.num_tree_steps,
             "spec_num_tree_nodes": spec.num_tree_nodes,
             "spec_num_skipped_lookups": spec.num_skipped_lookups,
+            "spec_num_unpayable_lookups": self.engine.speculator.proposers.num_unpayable_lookups,
             "spec_num_guard_off_steps": self.engine.speculator.num_guard_off_steps,
             "spec_num_guard_suspensions": self.engine.speculator.num_guard_suspensions,
             "spec_by_source": {k: list(v) for k, v in spec.by_source.items()},

@@ -55,6 +55,10 @@ COUNTERS = {
     "spec_decode_num_skipped_lookups": ("Proposals not made: requests whose proposals kept "
                                         "drafting nothing look up less often.",
                                         "spec_num_skipped_lookups"),
+    "spec_decode_num_unpayable_lookups": ("Suffix look-ups not made because no draft they "
+                                          "could find would pay in that step (bounded "
+                                          "match length, acceptance by kind).",
+                                          "spec_num_unpayable_lookups"),
     "spec_decode_num_guard_off_steps": ("Steps in which a method's speed guard held "
                                         "speculation off (its off epochs and suspensions).",
                                         "spec_num_guard_off_steps"),

@@ -37,16 +37,21 @@ MAX_TREE_NODES = 16
 POOLED_DECAY = 0.95
 
 
+# The kinds match_kind names, each with the shortest match it takes.
+_KIND_SHORTEST = ((1, "1-3"), (4, "4-7"), (8, "8+"))
+
+
 def match_kind(match_len: int, public: bool = False) -> str:
     """What a suffix draft's acceptance is tracked as: by how long a context suffix it
     continues, and whether it came from the public corpus ("corpus/…"; its drafts after a
     short match are accepted less often than the request's own). On SmolLM2 spec_bench (C=1,
     2026-11-25, 2-core AVX512-BF16 EPYC) drafts after a 2-token match gained 0.6-1.3 tokens
     a verification, after 8 or more 2.1-4.4."""
-    source = "corpus" if public else "suffix"
-    if match_len >= 8:
-        return f"{source}/8+"
-    return f"{source}/4-7" if match_len >= 4 else f"{source}/1-3"
+    kind = _KIND_SHORTEST[0][1]
+    for shortest, name in _KIND_SHORTEST:
+        if match_len >= shortest:
+            kind = name
+    return f"{'corpus' if public else 'suffix'}/{kind}"
 
 
 @dataclass
@@ -92,6 +97,7 @@ class Proposers:
         # acceptance by source (suffix drafts by match length) over all requests: a new
         # request's prior (acceptance rates only: nothing of any request's content)
         self.pools: dict[str, AcceptanceTracker] = {}
+        self.num_unpayable_lookups = 0  # suffix look-ups skipped: nothing found could pay
 
     def method_of(self, request: Request) -> str:
         params: SpeculationParams | None = request.spec_params
@@ -145,6 +151,9 @@ class Proposers:
         at its depth (so the likeliest path is exactly a chain's scores, and a branch the
         context took a third as often scores a third), capped by its parent's score."""
         assert self.suffix is not None
+        if min_gain > 0.0 and not self._may_pay(request, public, min_gain):
+            self.num_unpayable_lookups += 1
+            return None
         draft = self.suffix.propose_tree(request, MAX_TREE_NODES, public)
         if not draft.tokens:
             return None
@@ -165,6 +174,33 @@ class Proposers:
             scores.append(min(score, scores[parent]) if parent >= 0 else score)
         return Candidate(request, "corpus" if draft.public else "suffix", tree, scores,
                           len(tree), tracker)
+
+    def _may_pay(self, request: Request, public: bool, min_gain: float) -> bool:
+        """Whether the suffix tries (or the corpus) could find ``request`` a draft scoring
+        above ``min_gain``, before looking: a node scores at most its kind's ``alpha``, and
+        a kind of draft after a match longer than the tries' bound
+        (:meth:`spec.suffix.SuffixProposer.match_bound`) cannot be found. The same answer
+        as looking and finding the draft's kind at or below ``min_gain``, without the
+        look-up's cost (~0.1–0.3 ms a request after a model step has evicted the tries and
+        the interpreter's state; at C=8 most look-ups are such); only the new tokens wait in
+        the request's trie until its next look-up."""
+        assert self.suffix is not None
+        bound = self.suffix.match_bound(request)
+        if any(self._alpha(request, f"suffix/{kind}") > min_gain
+               for shortest, kind in _KIND_SHORTEST
+               if bound is None or max(shortest, self.suffix.config.min_match_len) <= bound):
+            return True
+        return public and self.suffix.corpus is not None and any(
+            self._alpha(request, f"corpus/{kind}") > min_gain for _, kind in _KIND_SHORTEST)
+
+    def _alpha(self, request: Request, kind: str) -> float:
+        """:meth:`tracker`'s ``alpha`` for ``kind``, without making a tracker (a request's
+        first tracker of a kind copies the pooled estimate when the kind first drafts)."""
+        tracker = request.spec_state.trackers.get(kind)
+        if tracker is not None:
+            return tracker.alpha
+        pooled = None if request.sampling_params.seeded_sampling else self.pools.get(kind)
+        return pooled.alpha if pooled is not None else prior(kind)
 
     def _ngram(self, request: Request, k: int) -> list[int]:
         return self.ngram.propose(_context(request, self.ngram.max_context))[:k]

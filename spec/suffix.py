@@ -91,6 +91,13 @@ class _Partition:
 class _RequestTrie:
     tree: SuffixTree
     appended: int = 0  # tokens of prompt + output already in the trie
+    # what the last proposal found (SuffixTree.extend_propose): the longest continued match
+    # (-1: no proposal yet), at how many tokens, and the tenant's trie then with how many
+    # outputs added so far (None: no tenant's trie was asked): see match_bound
+    longest: int = -1
+    longest_at: int = 0
+    tenant: _Partition | None = None
+    tenant_outputs: int = 0
 
 
 class SuffixProposer:
@@ -133,9 +140,14 @@ class SuffixProposer:
         # sequence 0, whose matches are read from where the append ends), draft from it and
         # from the tenant's trie, keep the better
         state.appended = request.num_tokens  # (first: a failed call must not append twice)
-        best, _ = state.tree.extend_propose(
-            0, new_tokens, partition, max_nodes, c.max_spec_factor, c.min_token_prob,
-            c.min_match_len)
+        state.longest = -1
+        best, _, longest = state.tree.extend_propose(
+            0, new_tokens, None if partition is None else partition.tree, max_nodes,
+            c.max_spec_factor, c.min_token_prob, c.min_match_len)
+        # (0: nothing of min_match_len or more continued; a shorter one may have)
+        state.longest, state.longest_at = max(longest, c.min_match_len - 1), request.num_tokens
+        state.tenant = partition
+        state.tenant_outputs = partition.next_id if partition is not None else 0
         if not best.tokens and public and self.corpus is not None:
             # fixed text, no other request's: seeded sampled requests may use it too
             context = request.token_ids_slice(max(request.num_tokens - c.max_depth, 0),
@@ -144,9 +156,33 @@ class SuffixProposer:
                                               c.corpus_min_token_prob, c.corpus_min_match_len)
         return best
 
-    def _pending(self, request: Request) -> tuple[_RequestTrie, list[int], SuffixTree | None]:
+    def match_bound(self, request: Request) -> int | None:
+        """At most how long a match :meth:`propose_tree` can find in ``request``'s tries now
+        (None: unknown): the longest continued match of its last proposal plus the tokens
+        it gained since (``SuffixTree.extend_propose``), while its tenant's trie is the one
+        asked then and has gained no output since (outputs are only added; a dropped one
+        takes matches away, never adds one). Not the public corpus's."""
+        state = self._requests.get(request.request_id)
+        if state is None or state.longest < 0:
+            return None
+        partition = self._tenant(request)
+        if partition is not state.tenant or (
+                partition is not None and partition.next_id != state.tenant_outputs):
+            return None
+        return state.longest + request.num_tokens - state.longest_at
+
+    def _tenant(self, request: Request) -> _Partition | None:
+        """The tenant's partition ``request`` may draft from: none for a seeded sampled
+        request (the random draws it consumes depend on its drafts, and its output must
+        depend only on its seed), or where the tenant has no outputs yet."""
+        if request.sampling_params.seeded_sampling:
+            return None
+        return self._partitions.get(request.cache_salt)
+
+    def _pending(self, request: Request) -> tuple[_RequestTrie, list[int], _Partition | None]:
         """The request's trie, the tokens it does not hold yet (its prompt's last
-        ``max_context`` the first time), and its tenant's trie when it may draft from it."""
+        ``max_context`` the first time), and its tenant's partition when it may draft from
+        it."""
         c = self.config
         state = self._requests.get(request.request_id)
         if state is None:
@@ -155,12 +191,7 @@ class SuffixProposer:
         if state.appended == 0:
             state.appended = max(n - c.max_context, 0)
         new_tokens = request.token_ids_slice(state.appended, n) if state.appended < n else []
-        partition = self._partitions.get(request.cache_salt)
-        # (a seeded sampled request drafts from its own context only: the random draws it
-        # consumes depend on its drafts, and its output must depend only on its seed)
-        tenant = partition.tree if partition is not None \
-            and not request.sampling_params.seeded_sampling else None
-        return state, new_tokens, tenant
+        return state, new_tokens, self._tenant(request)
 
     def _tries(self, request: Request) -> tuple[list[SuffixTree], list[int]]:
         """The tries ``request`` may draft from (its own, then its tenant's partition) and
@@ -169,8 +200,9 @@ class SuffixProposer:
         if new_tokens:
             state.tree.append(0, new_tokens)
         n = state.appended = request.num_tokens
+        state.longest = -1  # (match_bound: its last proposal did not measure one)
         context = request.token_ids_slice(max(n - self.config.max_depth, 0), n)
-        return [state.tree] + ([tenant] if tenant is not None else []), context
+        return [state.tree] + ([tenant.tree] if tenant is not None else []), context
 
     def finish(self, request: Request) -> None:
         """Drop the request's trie; add its output to its tenant's partition."""

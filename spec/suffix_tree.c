@@ -293,6 +293,14 @@ int qd_st_num_nodes(void* handle, int live) {
     return t ? (live ? t->live_nodes : t->n_nodes - 1) : -1;
 }
 
+/* Whether node has a live child: its pattern occurred, followed by something, in a live
+ * sequence (for a sequence's own context: before its last token). */
+static int has_live_child(const Tree* t, int32_t node) {
+    for (int32_t c = t->first_child[node]; c >= 0; c = t->next_sibling[c])
+        if (t->count[c] > 0) return 1;
+    return 0;
+}
+
 /* The greedy draft from node: returns its length, writes tokens and the score. */
 static int draft_from(const Tree* t, int32_t node, int budget, float min_prob, int32_t* out,
                       float* score) {
@@ -324,7 +332,10 @@ static int draft_from(const Tree* t, int32_t node, int budget, float min_prob, i
  * its length, or -1 when out of memory. *node_out / *budget_out: where it starts and its
  * token budget (node 0 when nothing matched). The node of the pattern ctx[-m:] is walked
  * from the root, or read from `by_len` (by_len[m - 1], lengths 1..n_by_len: a sequence's
- * cached active set, when ctx is that sequence's tail).
+ * cached active set, when ctx is that sequence's tail). With `live_out` (else NULL), sets
+ * *live_out to the largest such m whose node has a live child, if any (leaves it otherwise):
+ * the longest suffix of ctx that occurred followed by something, whether or not a draft
+ * from it passes min_prob.
  *
  * The loop stops at the first length whose pattern is missing or dead: every occurrence of
  * ctx[-(m+1):] ends with one of ctx[-m:] at the same position, counted by the same sequence,
@@ -333,7 +344,7 @@ static int draft_from(const Tree* t, int32_t node, int budget, float min_prob, i
 static int best_match(const Tree* t, const int32_t* ctx, int n, const int32_t* by_len,
                       int n_by_len, int max_tokens, float factor, float min_prob,
                       int min_match, int32_t* out, float* out_score, int* out_match,
-                      int32_t* node_out, int* budget_out) {
+                      int32_t* node_out, int* budget_out, int* live_out) {
     int32_t* buf = (int32_t*)malloc((size_t)(max_tokens > 0 ? max_tokens : 1) * sizeof(int32_t));
     if (!buf) return -1;
     int best_len = 0, best_match = 0, best_budget = 0;
@@ -348,6 +359,7 @@ static int best_match(const Tree* t, const int32_t* ctx, int n, const int32_t* b
         else
             for (int i = n - m; i < n && node >= 0; ++i) node = find_child(t, node, ctx[i]);
         if (node < 0 || t->count[node] <= 0) break;
+        if (live_out && has_live_child(t, node)) *live_out = m;
         int budget = (int)(factor * (float)m);
         if (budget > max_tokens) budget = max_tokens;
         float score;
@@ -378,7 +390,7 @@ int qd_st_speculate(void* handle, const int32_t* ctx, int n, int max_tokens, flo
     int32_t node;
     int budget;
     return best_match(t, ctx, n, NULL, 0, max_tokens, factor, min_prob, min_match, out,
-                      out_score, out_match, &node, &budget);
+                      out_score, out_match, &node, &budget, NULL);
 }
 
 typedef struct {
@@ -425,7 +437,7 @@ static int push_children(const Tree* t, int32_t node, int32_t parent, float p, i
 static int speculate_tree(const Tree* t, const int32_t* ctx, int n, const int32_t* by_len,
                           int n_by_len, int max_nodes, float factor, float min_prob,
                           int min_match, int32_t* tokens, int32_t* parents, float* probs,
-                          int* out_match) {
+                          int* out_match, int* longest) {
     int32_t* chain = (int32_t*)malloc((size_t)(max_nodes > 0 ? max_nodes : 1) * sizeof(int32_t));
     int32_t* depth = (int32_t*)malloc((size_t)(max_nodes > 0 ? max_nodes : 1) * sizeof(int32_t));
     Cand* cands = (Cand*)malloc((size_t)(max_nodes + 1) * (size_t)(max_nodes + 1) * sizeof(Cand));
@@ -434,7 +446,8 @@ static int speculate_tree(const Tree* t, const int32_t* ctx, int n, const int32_
     int32_t match_node;
     int budget;
     const int len = best_match(t, ctx, n, by_len, n_by_len, max_nodes, factor, min_prob,
-                               min_match, chain, &score, out_match, &match_node, &budget);
+                               min_match, chain, &score, out_match, &match_node, &budget,
+                               longest);
     int count = 0;
     if (len > 0) {
         int nc = push_children(t, match_node, -1, 1.0f, max_nodes, cands, 0);
@@ -468,7 +481,7 @@ int qd_st_speculate_tree(void* handle, const int32_t* ctx, int n, int max_nodes,
         || !parents || !probs || !out_match)
         return -1;
     return speculate_tree(t, ctx, n, NULL, 0, max_nodes, factor, min_prob, min_match, tokens,
-                          parents, probs, out_match);
+                          parents, probs, out_match, NULL);
 }
 
 /* A sequence's context for drafting: its last max_depth tokens (*n of them). */
@@ -477,8 +490,20 @@ static const int32_t* seq_context(const Tree* t, const Seq* s, int* n) {
     return s->tokens + (s->len - *n);
 }
 
-/* qd_st_speculate_tree with ctx = sequence seq_id's last max_depth tokens, its matches read
- * from the sequence's cached active set (no walks from the root); the same result. */
+/* speculate_tree with ctx = sequence s's last max_depth tokens, its matches read from the
+ * sequence's cached active set (no walks from the root); the same result. */
+static int speculate_seq(const Tree* t, const Seq* s, int max_nodes, float factor,
+                         float min_prob, int min_match, int32_t* tokens, int32_t* parents,
+                         float* probs, int* out_match, int* longest) {
+    int n;
+    const int32_t* ctx = seq_context(t, s, &n);
+    const int cached = s->active && s->active_len == s->len;
+    return speculate_tree(t, ctx, n, cached ? s->active : NULL,
+                          cached ? s->n_active : 0, max_nodes, factor, min_prob, min_match,
+                          tokens, parents, probs, out_match, longest);
+}
+
+/* qd_st_speculate_tree with ctx = sequence seq_id's last max_depth tokens (speculate_seq). */
 int qd_st_speculate_tree_seq(void* handle, int seq_id, int max_nodes, float factor,
                              float min_prob, int min_match, int32_t* tokens, int32_t* parents,
                              float* probs, int* out_match) {
@@ -488,12 +513,8 @@ int qd_st_speculate_tree_seq(void* handle, int seq_id, int max_nodes, float fact
         return -1;
     const Seq* s = &t->seqs[seq_id];
     if (!s->alive) return -1;
-    int n;
-    const int32_t* ctx = seq_context(t, s, &n);
-    const int cached = s->active && s->active_len == s->len;
-    return speculate_tree(t, ctx, n, cached ? s->active : NULL,
-                          cached ? s->n_active : 0, max_nodes, factor, min_prob, min_match,
-                          tokens, parents, probs, out_match);
+    return speculate_seq(t, s, max_nodes, factor, min_prob, min_match, tokens, parents, probs,
+                         out_match, NULL);
 }
 
 /* A request's proposal in one call (what the engine does each step it drafts): append
@@ -501,8 +522,14 @@ int qd_st_speculate_tree_seq(void* handle, int seq_id, int max_nodes, float fact
  * (qd_st_speculate_tree_seq); when `other` is given (the tenant's trie of earlier outputs),
  * draft from it too, with the same context (the sequence's last max_depth tokens), and keep
  * the draft whose path probabilities sum higher (ties: the own trie's). Returns the node
- * count (outputs as qd_st_speculate_tree; out_match[1] = 0 own, 1 other), -1 when the
- * append fails, -2 on bad input. */
+ * count (outputs as qd_st_speculate_tree; out_match[1] = 0 own, 1 other; out_match[2] = the
+ * longest match with a continuation in either trie, see best_match's `live_out`, 0 when
+ * none is at least min_match long), -1 when the append fails, -2 on bad input.
+ *
+ * out_match[2] bounds the next proposals (spec/suffix.py, SuffixProposer.match_bound): j
+ * tokens later, a longest match m means the context's last m - j tokens of then occurred
+ * followed by something, so the longest match then is at most out_match[2] + j, as long as
+ * neither trie gained a sequence (a request's own trie gains only its own tokens). */
 int qd_st_extend_propose(void* own, int seq_id, const int32_t* new_tokens, int n_new,
                          void* other, int max_nodes, float factor, float min_prob,
                          int min_match, int32_t* tokens, int32_t* parents, float* probs,
@@ -511,21 +538,24 @@ int qd_st_extend_propose(void* own, int seq_id, const int32_t* new_tokens, int n
         || !out_match)
         return -2;
     if (qd_st_append(own, seq_id, new_tokens, n_new) != 0) return -1;
-    int count = qd_st_speculate_tree_seq(own, seq_id, max_nodes, factor, min_prob, min_match,
-                                         tokens, parents, probs, out_match);
+    const Tree* t = (const Tree*)own;
+    int longest = 0;
+    int count = speculate_seq(t, &t->seqs[seq_id], max_nodes, factor, min_prob, min_match,
+                              tokens, parents, probs, out_match, &longest);
     if (count < 0) return -2;
     out_match[1] = 0;
+    out_match[2] = longest;
     if (!other) return count;
-    const Tree* t = (const Tree*)own;
     int n;
     const int32_t* ctx = seq_context(t, &t->seqs[seq_id], &n);
     int32_t alt_tokens[256], alt_parents[256];
     float alt_probs[256];
-    int alt_match;
-    const int alt = qd_st_speculate_tree(other, ctx, n, max_nodes, factor,
-                                         min_prob, min_match, alt_tokens, alt_parents,
-                                         alt_probs, &alt_match);
+    int alt_match, alt_longest = 0;
+    const int alt = speculate_tree((const Tree*)other, ctx, n, NULL, 0, max_nodes, factor,
+                                   min_prob, min_match, alt_tokens, alt_parents, alt_probs,
+                                   &alt_match, &alt_longest);
     if (alt < 0) return -2;
+    if (alt_longest > longest) out_match[2] = alt_longest;
     double own_sum = 0.0, alt_sum = 0.0; /* (as Python sums the float32 probabilities) */
     for (int i = 0; i < count; ++i) own_sum += probs[i];
     for (int i = 0; i < alt; ++i) alt_sum += alt_probs[i];

@@ -112,7 +112,8 @@ class SuffixTree:
         self._parents = np.empty(_MAX_TREE_NODES, dtype=np.int32)
         self._probs = np.empty(_MAX_TREE_NODES, dtype=np.float32)
         self._score = np.empty(1, dtype=np.float32)
-        self._match = np.empty(2, dtype=np.int32)  # match length, which trie (extend_propose)
+        # match length, then (extend_propose) which trie and the longest live match
+        self._match = np.empty(3, dtype=np.int32)
         self._new = np.empty(_NEW_TOKENS, dtype=np.int32)  # extend_propose's appended tokens
         self._out = (self._tokens.ctypes.data, self._parents.ctypes.data,
                      self._probs.ctypes.data, self._match.ctypes.data)
@@ -183,11 +184,16 @@ class SuffixTree:
     def extend_propose(self, seq_id: int, tokens: Sequence[int], other: SuffixTree | None,
                        max_nodes: int, max_spec_factor: float = 1.0,
                        min_token_prob: float = 0.1, min_match_len: int = 1
-                       ) -> tuple[TreeDraft, bool]:
+                       ) -> tuple[TreeDraft, bool, int]:
         """:meth:`append` ``tokens`` to ``seq_id``, then :meth:`speculate_tree_of` it and,
         with ``other``, ``other.speculate_tree`` of the same context (the sequence's last
         ``max_depth`` tokens), in one native call: the draft whose probabilities sum higher
-        (ties: this trie's), and whether it is ``other``'s. A request's proposal each step:
+        (ties: this trie's), whether it is ``other``'s, and the longest match in either trie
+        that continued (the longest suffix of the context, of at least ``min_match_len``,
+        that occurred followed by something, whatever its probability; 0 if none). That
+        bounds later matches: ``j`` tokens on, as long as neither trie gained a sequence, no
+        match is longer than it + ``j`` (the earlier occurrence's ``j`` tokens fewer would
+        have matched now). A request's proposal each step:
         one call instead of three, each of which costs far more than its work once a model
         step has pushed the interpreter's and the tries' memory out of the cache."""
         if not 0 <= max_nodes <= _MAX_TREE_NODES:
@@ -207,7 +213,7 @@ class SuffixTree:
                              "out of memory)")
         if count < 0:
             raise RuntimeError("qd_st_extend_propose failed")
-        return self._tree_draft(count), bool(self._match[1])
+        return self._tree_draft(count), bool(self._match[1]), int(self._match[2])
 
     def _tree_draft(self, n: int) -> TreeDraft:
         return TreeDraft(self._tokens[:n].tolist(), self._parents[:n].tolist(),

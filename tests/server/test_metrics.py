@@ -29,7 +29,8 @@ def test_loading_then_stats_and_observations():
              "spec_proposer_seconds": 0.5, "suffix_tenants": 2, "suffix_cached_tokens": 300,
              "spec_drafted_per_position": [4, 3], "spec_num_tree_steps": 2,
              "spec_num_tree_nodes": 14, "spec_by_source": {"recycling": [3, 12, 4]},
-             "spec_step_cost_ratio": 1.25, "spec_num_skipped_lookups": 6}
+             "spec_step_cost_ratio": 1.25, "spec_num_skipped_lookups": 6,
+             "spec_num_unpayable_lookups": 11}
     m.observe(Usage(10, 5, queue_time=0.01, ttft=0.1, decode_time=0.4), "stop", 0.6)
     m.observe(None, "abort", 0.2)
     got = samples(m)
@@ -49,6 +50,7 @@ def test_loading_then_stats_and_observations():
     assert got[("quickdraft:spec_decode_num_tree_nodes_total", label)] == 14
     assert got[("quickdraft:spec_decode_num_tree_drafts_total", label)] == 2
     assert got[("quickdraft:spec_decode_num_skipped_lookups_total", label)] == 6
+    assert got[("quickdraft:spec_decode_num_unpayable_lookups_total", label)] == 11
     assert got[("quickdraft:spec_decode_num_accepted_tokens_by_source_total",
                 (("model_name", "tiny"), ("source", "recycling")))] == 4
     interactive = (*label, ("priority", "interactive"))  # observe's default class

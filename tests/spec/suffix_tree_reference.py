@@ -99,3 +99,18 @@ class ReferenceSuffixTree:
             if depth < budget:
                 push(key, len(tokens) - 1, q, depth + 1)
         return tokens, parents, probs, m
+
+
+def longest_continued_match(context: list[int], sequences: list[list[int]], max_depth: int,
+                            min_match: int = 1) -> int:
+    """The longest ``m`` (at least ``min_match``, below ``max_depth``: a depth-``max_depth``
+    node has no children) such that ``context[-m:]`` occurs in one of ``sequences`` followed
+    by a token, else 0: what ``SuffixTree.extend_propose`` reports as its third value (the
+    request's own sequence, i.e. ``context``, among them: its last occurrence, at the end,
+    is followed by nothing)."""
+    best = 0
+    for m in range(max(min_match, 1), min(len(context), max_depth - 1) + 1):
+        pattern = context[-m:]
+        if any(seq[i:i + m] == pattern for seq in sequences for i in range(len(seq) - m)):
+            best = m
+    return best

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from quickdraft.spec import suffix_tree
-from tests.spec.suffix_tree_reference import ReferenceSuffixTree
+from tests.spec.suffix_tree_reference import ReferenceSuffixTree, longest_continued_match
 
 pytestmark = pytest.mark.skipif(not suffix_tree.available(), reason="needs gcc")
 
@@ -99,15 +99,18 @@ def test_extend_propose_is_append_then_the_better_of_both_tries(seed: int) -> No
     rng = random.Random(100 + seed)
     own, mirror = suffix_tree.SuffixTree(24), suffix_tree.SuffixTree(24)
     other = suffix_tree.SuffixTree(24)
-    for seq in range(4):  # the tenant's earlier outputs
-        other.append(seq, [rng.randrange(5) for _ in range(rng.choice([10, 60]))])
+    tenant_sequences = [[rng.randrange(5) for _ in range(rng.choice([10, 60]))]
+                        for _ in range(4)]  # the tenant's earlier outputs
+    for seq, tokens in enumerate(tenant_sequences):
+        other.append(seq, tokens)
     prompt = [rng.randrange(5) for _ in range(rng.choice([3, 40]))]
     context = list(prompt)
     new: list[int] = prompt
     for step in range(120):
         min_match, min_prob = rng.choice([1, 2, 3]), rng.choice([0.0, 0.2])
         tenant = other if step % 3 else None
-        got, from_other = own.extend_propose(0, new, tenant, 16, 4.0, min_prob, min_match)
+        got, from_other, longest = own.extend_propose(0, new, tenant, 16, 4.0, min_prob,
+                                                      min_match)
         mirror.append(0, new)
         want = mirror.speculate_tree_of(0, 16, 4.0, min_prob, min_match)
         want_other = False
@@ -117,6 +120,8 @@ def test_extend_propose_is_append_then_the_better_of_both_tries(seed: int) -> No
                 want, want_other = alt, True
         assert (got.tokens, got.parents, got.probs, got.match_len, from_other) == \
             (want.tokens, want.parents, want.probs, want.match_len, want_other), step
+        sequences = [context] + (tenant_sequences if tenant is not None else [])
+        assert longest == longest_continued_match(context, sequences, 24, min_match), step
         new = [rng.randrange(5) for _ in range(rng.choice([0, 1, 1, 2, 4, 70]))]
         context += new
     assert own.num_nodes() == mirror.num_nodes()
