@@ -433,11 +433,12 @@ static int push_children(const Tree* t, int32_t node, int32_t parent, float p, i
 
 /* The frequency-scored tree below the speculate() match (see the header): tokens, parents
  * (-1: a child of the match) and path probabilities of up to max_nodes nodes, best-first
- * (a parent before its children). Returns the node count, or -1 on bad input / no memory. */
+ * (a parent before its children). Returns the node count, or -1 on bad input / no memory.
+ * `live_out`: best_match's (the longest match that continued; NULL: not wanted). */
 static int speculate_tree(const Tree* t, const int32_t* ctx, int n, const int32_t* by_len,
                           int n_by_len, int max_nodes, float factor, float min_prob,
                           int min_match, int32_t* tokens, int32_t* parents, float* probs,
-                          int* out_match, int* longest) {
+                          int* out_match, int* live_out) {
     int32_t* chain = (int32_t*)malloc((size_t)(max_nodes > 0 ? max_nodes : 1) * sizeof(int32_t));
     int32_t* depth = (int32_t*)malloc((size_t)(max_nodes > 0 ? max_nodes : 1) * sizeof(int32_t));
     Cand* cands = (Cand*)malloc((size_t)(max_nodes + 1) * (size_t)(max_nodes + 1) * sizeof(Cand));
@@ -447,7 +448,7 @@ static int speculate_tree(const Tree* t, const int32_t* ctx, int n, const int32_
     int budget;
     const int len = best_match(t, ctx, n, by_len, n_by_len, max_nodes, factor, min_prob,
                                min_match, chain, &score, out_match, &match_node, &budget,
-                               longest);
+                               live_out);
     int count = 0;
     if (len > 0) {
         int nc = push_children(t, match_node, -1, 1.0f, max_nodes, cands, 0);
@@ -494,13 +495,13 @@ static const int32_t* seq_context(const Tree* t, const Seq* s, int* n) {
  * sequence's cached active set (no walks from the root); the same result. */
 static int speculate_seq(const Tree* t, const Seq* s, int max_nodes, float factor,
                          float min_prob, int min_match, int32_t* tokens, int32_t* parents,
-                         float* probs, int* out_match, int* longest) {
+                         float* probs, int* out_match, int* live_out) {
     int n;
     const int32_t* ctx = seq_context(t, s, &n);
     const int cached = s->active && s->active_len == s->len;
     return speculate_tree(t, ctx, n, cached ? s->active : NULL,
                           cached ? s->n_active : 0, max_nodes, factor, min_prob, min_match,
-                          tokens, parents, probs, out_match, longest);
+                          tokens, parents, probs, out_match, live_out);
 }
 
 /* qd_st_speculate_tree with ctx = sequence seq_id's last max_depth tokens (speculate_seq). */
