@@ -194,8 +194,9 @@ class Proposers:
             self._alpha(request, f"corpus/{kind}") > min_gain for _, kind in _KIND_SHORTEST)
 
     def _alpha(self, request: Request, kind: str) -> float:
-        """:meth:`tracker`'s ``alpha`` for ``kind``, without making a tracker (a request's
-        first tracker of a kind copies the pooled estimate when the kind first drafts)."""
+        """:meth:`tracker`'s ``alpha`` for ``kind``, without making a tracker: a request's
+        tracker of a kind copies the pooled estimate when a look-up first finds that kind
+        (made here, it would freeze an earlier pooled value into the request's estimate)."""
         tracker = request.spec_state.trackers.get(kind)
         if tracker is not None:
             return tracker.alpha
