@@ -37,8 +37,11 @@ MAX_TREE_NODES = 16
 POOLED_DECAY = 0.95
 
 
-# The kinds match_kind names, each with the shortest match it takes.
+# The kinds match_kind names, each with the shortest match it takes; and the names the
+# suffix tries' and the corpus's drafts of each kind are tracked as.
 _KIND_SHORTEST = ((1, "1-3"), (4, "4-7"), (8, "8+"))
+_SUFFIX_KINDS = tuple((shortest, f"suffix/{kind}") for shortest, kind in _KIND_SHORTEST)
+_CORPUS_KINDS = tuple(f"corpus/{kind}" for _, kind in _KIND_SHORTEST)
 
 
 def match_kind(match_len: int, public: bool = False) -> str:
@@ -186,22 +189,17 @@ class Proposers:
         the request's trie until its next look-up."""
         assert self.suffix is not None
         bound = self.suffix.match_bound(request)
-        if any(self._alpha(request, f"suffix/{kind}") > min_gain
-               for shortest, kind in _KIND_SHORTEST
-               if bound is None or max(shortest, self.suffix.config.min_match_len) <= bound):
+        min_match = self.suffix.config.min_match_len
+        if any(self._alpha(request, kind) > min_gain for shortest, kind in _SUFFIX_KINDS
+               if bound is None or max(shortest, min_match) <= bound):
             return True
         return public and self.suffix.corpus is not None and any(
-            self._alpha(request, f"corpus/{kind}") > min_gain for _, kind in _KIND_SHORTEST)
+            self._alpha(request, kind) > min_gain for kind in _CORPUS_KINDS)
 
     def _alpha(self, request: Request, kind: str) -> float:
-        """:meth:`tracker`'s ``alpha`` for ``kind``, without making a tracker: a request's
-        tracker of a kind copies the pooled estimate when a look-up first finds that kind
-        (made here, it would freeze an earlier pooled value into the request's estimate)."""
-        tracker = request.spec_state.trackers.get(kind)
-        if tracker is not None:
-            return tracker.alpha
-        pooled = None if request.sampling_params.seeded_sampling else self.pools.get(kind)
-        return pooled.alpha if pooled is not None else prior(kind)
+        """:meth:`tracker`'s ``alpha`` for ``kind``, without making a tracker or a pool."""
+        seeded = request.sampling_params.seeded_sampling
+        return request.spec_state.alpha(kind, None if seeded else self.pools.get(kind))
 
     def _ngram(self, request: Request, k: int) -> list[int]:
         return self.ngram.propose(_context(request, self.ngram.max_context))[:k]

@@ -88,6 +88,14 @@ class RequestSpecState:
                 else AcceptanceTracker(alpha=prior(source))
         return self.trackers[source]
 
+    def alpha(self, source: str, pooled: AcceptanceTracker | None = None) -> float:
+        """``tracker(source, pooled).alpha`` without making the tracker (made now, it would
+        freeze the pooled estimate of now into the request's own)."""
+        tracker = self.trackers.get(source)
+        if tracker is not None:
+            return tracker.alpha
+        return pooled.alpha if pooled is not None else prior(source)
+
     def drop_in_flight(self) -> None:
         """The planned drafts will not be verified."""
         self.verifying = None
