@@ -424,7 +424,7 @@ static QD_TARGET void merge_split(const Args* a, const Task* task, int nthreads)
     const int s = task->s;
     const int first = a->qsl == NULL ? s : a->qsl[s];
     const int lanes = (a->qsl == NULL ? 1 : a->qsl[s + 1] - first) * a->kv_heads;
-    if (nthreads <= 1 || lanes < 4) { /* outside OpenMP: see kernels/cpu_fused.c, QD_PAR_ROWS */
+    if (nthreads <= 1 || lanes < 4) { /* outside OpenMP: see kernels/cpu_fused.c's threads */
         for (int lane = 0; lane < lanes; ++lane) merge_lane(a, task, lane);
         return;
     }

@@ -33,12 +33,10 @@
 #define QD_TARGET __attribute__((target("avx2,fma")))
 #define QD_INLINE static inline __attribute__((always_inline)) QD_TARGET
 
-/* More rows than this are split across OpenMP threads; fewer run on the calling thread
- * (waking the pool costs more than the work). A serial call runs its loop outside any
- * OpenMP construct: a `parallel if (0)` region still enters libgomp, which builds a team of
- * one and wakes its barrier, ~0.4 us a call on the 2-core AVX2-only Zen 4 (a 1-row step made
- * ~240 such calls). */
-#define QD_PAR_ROWS 16
+/* Threads: the caller decides (nthreads; <= 0: OpenMP's count). One thread runs its loop
+ * outside any OpenMP construct: a `parallel if (0)` region still enters libgomp, which builds
+ * a team of one and wakes its barrier, ~0.4 us a call on the 2-core AVX2-only Zen 4 (a 1-row
+ * step made ~240 such calls). Where the callers draw the line: cpu_fused.py, _PAR_ROWS. */
 
 /* ------------------------------------------------------------------------------------------ */
 /* scalar helpers */
@@ -229,7 +227,6 @@ int qd_rms_norm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, 
     if (rows < 0 || n <= 0 || !x || !w || !y || (res && !res_out)) return -1;
     if (rows == 0) return 0;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
-    if (rows <= QD_PAR_ROWS) nthreads = 1;
     if (nthreads > rows) nthreads = rows;
     if (nthreads <= 1) return rms_rows(x, res, w, y, res_out, 0, rows, n, eps);
     int status = 0;
@@ -289,7 +286,6 @@ int qd_rope_neox_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int
                       int d, long long row_stride, long long head_stride, int nthreads) {
     if (rows < 0 || heads < 0 || d <= 0 || (d & 1) || !x || !cos || !sin) return -1;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
-    if (rows <= QD_PAR_ROWS) nthreads = 1;
     if (nthreads <= 1) {
         for (int r = 0; r < rows; r++) rope_row(x, cos, sin, r, heads, d, row_stride, head_stride);
         return 0;
@@ -373,7 +369,6 @@ int qd_silu_mul_bf16(const uint16_t* gate_up, uint16_t* y, int rows, int inter, 
     if (rows < 0 || inter <= 0 || vec_block < 0 || (vec_block & 7) || !gate_up || !y) return -1;
     const int vec_end = vec_block ? inter - inter % vec_block : 0;
     if (nthreads <= 0) nthreads = omp_get_max_threads();
-    if (rows <= QD_PAR_ROWS) nthreads = 1;
     if (nthreads <= 1) {
         for (int r = 0; r < rows; r++) silu_row_at(gate_up, y, r, inter, vec_end);
         return 0;

@@ -44,9 +44,13 @@ _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", 
            "-shared")
 _CPU_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _BF16 = torch.bfloat16
-# More rows than this: ask torch for its thread count and let the C side use OpenMP (the C
-# side has the same threshold). Fewer: one thread, no torch.get_num_threads() call.
-_PAR_ROWS = 16
+# More rows than this: the small ops (norm, RoPE, SiLU) on torch's threads (OpenMP in the C);
+# fewer: on the calling thread, no torch.get_num_threads() call. The native layer reads it
+# too (native_entry_points). Whole SmolLM2 steps, 300 positions, this line at 16 against 3
+# (2026-11-30, the 2-core AMX Xeon, in one process, arms alternating; /work/prof/s58/
+# par_ab.py): 1 / 2 / 4 / 8 / 16 rows 1.02 / 0.99 / 0.98 / 0.975 / 0.92x the time, 8
+# sequences of 2 rows 0.94x; a 2-thread region costs ~1 us, so 2-3 rows gain nothing.
+_PAR_ROWS = 3
 
 _vp = ctypes.c_void_p
 _int = ctypes.c_int
