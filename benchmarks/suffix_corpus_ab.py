@@ -73,12 +73,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="ask the corpus in steps of at most this many requests (default: "
                         "the engine's CORPUS_MAX_REQUESTS)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--suffix-corpus", default="auto",
+                   help="the corpus to compare: auto (shipped for this target) or a "
+                        "directory holding one for it")
     p.add_argument("--tag", default=None, help="results file suffix")
     args = p.parse_args(argv)
     if args.concurrency < 1 or args.repeats < 1:
         p.error("--concurrency and --repeats must be >= 1")
-    engine, _ = build_engine(parse_args(["--methods", "off,suffix", "--concurrency",
-                                         str(args.concurrency)]))
+    engine, _ = build_engine(parse_args(
+        ["--methods", "off,suffix", "--concurrency", str(args.concurrency),
+         "--suffix-corpus", args.suffix_corpus] + (["--model", args.model] if args.model else [])))
     if args.corpus_max_requests is not None:
         speculator_module.CORPUS_MAX_REQUESTS = args.corpus_max_requests
     suffix = engine.speculator.suffix
@@ -123,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
                     for key in ("suffix", "suffix_corpus")}})
     name = f"suffix_corpus_ab_c{args.concurrency}" + (f"_{args.tag}" if args.tag else "")
     write_json({"benchmark": "suffix_corpus_ab", "machine": machine_info(),
-                "config": {"concurrency": args.concurrency, "repeats": args.repeats,
+                "config": {"model": args.model or "default", "concurrency": args.concurrency,
+                           "repeats": args.repeats, "suffix_corpus": args.suffix_corpus,
                            "corpus_max_requests": speculator_module.CORPUS_MAX_REQUESTS,
                            "max_tokens": args.max_tokens, "corpus_tokens": corpus.num_tokens,
                            "observed_cost": "frozen"},

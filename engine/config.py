@@ -67,8 +67,8 @@ class EngineConfig:
     # target, when its fingerprint matches one (else none); a directory; None = none.
     draft_head: str | None = "auto"
     # Suffix decoding's public corpus (spec/suffix_corpus.py: the target's own answers, which
-    # every request may draft from): "auto" = the one shipped for this target, if any; a
-    # directory; None = none.
+    # every request may draft from): "auto" = the one shipped for this target, else the
+    # shipped one's text re-tokenized for it (cached); a directory; None = none.
     suffix_corpus: str | None = "auto"
     num_speculative_tokens: int = 4  # most drafts verified per request per step
     ngram_min: int = 2

@@ -128,8 +128,10 @@ class LLMEngine:
             config.ngram_max, policy, self.kv, self.draft, self.max_model_len,
             vocab_size=self.runner.vocab_size, head=self.head,
             verify_trees=self.runner.backend.verify_trees,
-            suffix_corpus=find_corpus(config.suffix_corpus, model_fingerprint(model_dir),
-                                      SHIPPED_HEADS) if config.speculation != "off" else None,
+            suffix_corpus=find_corpus(
+                config.suffix_corpus, model_fingerprint(model_dir), SHIPPED_HEADS,
+                self._tokenize_texts, loader.cache_root()) if config.speculation != "off"
+            else None,
             speed_guard=SpeedGuardConfig() if config.speed_guard else None,
             draft_cost=observed)
         # the scheduler decides who runs with how many drafts; the speculator follows it
@@ -137,6 +139,24 @@ class LLMEngine:
                                    self.max_model_len, config.priority_aging_s,
                                    config.max_background_tokens_with_interactive,
                                    config.max_background_tokens_per_step, self.speculator)
+
+    def _tokenize_texts(self, texts: list[str]) -> list[list[int]]:
+        """The target's token ids of each text, no special tokens added (a public corpus's
+        text re-tokenized for this target: spec/suffix_corpus.py), each cut where its
+        tokenizer gives an id the model has no embedding for (pieces kept apart)."""
+        vocab = self.runner.vocab_size
+        pieces: list[list[int]] = []
+        for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            piece: list[int] = []
+            for token in ids:
+                if token < vocab:
+                    piece.append(token)
+                elif piece:
+                    pieces.append(piece)
+                    piece = []
+            if piece:
+                pieces.append(piece)
+        return pieces
 
     def describe_speculation(self) -> dict[str, Any]:
         """What drafts for this engine (for ``/health``): the default method, whether a draft

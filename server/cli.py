@@ -110,8 +110,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--suffix-corpus", default="auto",
                    help="a public corpus suffix decoding drafts from for every request (the "
                    "model's own answers, `quickdraft draft-head corpus`); auto: the one "
-                   "shipped for --model if there is one; none: only the request's and its "
-                   "tenant's text")
+                   "shipped for --model, else the shipped one's text re-tokenized for it "
+                   "(once, cached); a directory: one for --model, or another model's with "
+                   "its text; none: only the request's and its tenant's text")
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="most draft tokens per step (the policy may use fewer)")
     g.add_argument("--no-speed-guard", dest="speed_guard", action="store_false",

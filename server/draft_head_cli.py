@@ -128,8 +128,11 @@ def run_corpus(args: argparse.Namespace) -> int:
         print(f"no answers in {args.work_dir}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    fingerprint = model_fingerprint(loader.resolve_model(args.model))
-    print(json.dumps(write_training_corpus(args.out, rows, fingerprint), indent=1))
+    model_dir = loader.resolve_model(args.model)
+    tokenizer = loader.load_tokenizer(model_dir)
+    print(json.dumps(write_training_corpus(
+        args.out, rows, model_fingerprint(model_dir),
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), indent=1))
     return 0
 
 

@@ -342,4 +342,5 @@ def run_on_device(config: Any) -> dict[str, Any]:
         log(f"held apart, {config.compare_head}: {acceptance['compared']}")
     name = (torch.cuda.get_device_name(device) if device.type == "cuda" else str(device))
     return finish(config, head, str(model_dir), fingerprint, train_rows, len(eval_data),
-                  steps_done, losses, coverage, acceptance, timings, started, name)
+                  steps_done, losses, coverage, acceptance, timings, started, name,
+                  lambda ids: tokenizer.decode(ids, skip_special_tokens=False))

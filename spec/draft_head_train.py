@@ -53,7 +53,7 @@ from quickdraft.spec.draft_head_data import (
     token_counts,
 )
 from quickdraft.spec.draft_head_prompts import first_stage_prompts, second_stage_prompts
-from quickdraft.spec.suffix_corpus import write_corpus
+from quickdraft.spec.suffix_corpus import write_corpus, write_texts
 
 STEP_DECAY = 0.8  # weight of unroll step j: STEP_DECAY ** j
 FIT_AFTER_STEPS = 30  # steps timed before a time-bounded schedule is fitted
@@ -214,7 +214,8 @@ def run(config: TrainConfig, engine: Any = None) -> dict[str, Any]:
     return finish(config, head, str(model_dir), fingerprint, train_rows, len(eval_data),
                   steps_done, losses, coverage, acceptance, timings, started,
                   f"{platform.processor() or platform.machine()}, "
-                  f"{torch.get_num_threads()} threads")
+                  f"{torch.get_num_threads()} threads",
+                  lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def load_target_head(head_dir: Path, shape: ModelShape, fingerprint: str,
@@ -240,11 +241,12 @@ def choose_draft_vocab(rows: list[dict[str, Any]], vocab_size: int, size: int,
 def finish(config: TrainConfig, head: DraftHead, target: str, fingerprint: str,
            train_rows: list[dict[str, Any]], num_eval: int, steps_done: int,
            losses: list[float], coverage: float, acceptance: dict[str, Any],
-           timings: dict[str, float], started: float, machine: str) -> dict[str, Any]:
+           timings: dict[str, float], started: float, machine: str,
+           decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
     """Save the head and the suffix corpus (the training answers, :mod:`spec.suffix_corpus`)
     and write (and return) ``train_report.json``."""
     save_head(head.cpu(), config.out_dir)
-    corpus = write_training_corpus(config.out_dir, train_rows, fingerprint)
+    corpus = write_training_corpus(config.out_dir, train_rows, fingerprint, decode)
     report = {
         "target": target, "target_fingerprint": fingerprint,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
@@ -264,12 +266,18 @@ def finish(config: TrainConfig, head: DraftHead, target: str, fingerprint: str,
 
 
 def write_training_corpus(out_dir: Path, rows: list[dict[str, Any]], fingerprint: str,
+                          decode: Callable[[list[int]], str] | None = None,
                           ) -> dict[str, Any]:
-    """The rows' answers as the head directory's public suffix corpus."""
+    """The rows' answers as the head directory's public suffix corpus; with ``decode`` (the
+    target's tokenizer, special tokens kept), their text too, which other targets draft from
+    (:func:`spec.suffix_corpus.derive_corpus`)."""
     answers = [r["output_ids"] for r in rows if r["output_ids"]]
-    return write_corpus(out_dir, answers, fingerprint,
-                        "the target's greedy answers to its draft head's training prompts "
-                        "(written by this repository or by the target itself)")
+    config = write_corpus(out_dir, answers, fingerprint,
+                          "the target's greedy answers to its draft head's training prompts "
+                          "(written by this repository or by the target itself)")
+    if decode is not None:
+        write_texts(out_dir, [decode(a) for a in answers])
+    return config
 
 
 def init_head(config: DraftHeadConfig, target: TargetParts,

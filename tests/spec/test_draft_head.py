@@ -26,7 +26,7 @@ from quickdraft.spec.draft_head import (
 )
 from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
 from quickdraft.spec.draft_head_train import TrainConfig, run
-from quickdraft.spec.suffix_corpus import read_tokens, tokens_file, write_corpus
+from quickdraft.spec.suffix_corpus import read_texts, read_tokens, tokens_file, write_corpus
 from tests.conftest import make_tiny_model
 
 
@@ -131,6 +131,8 @@ def test_training_runs_end_to_end_and_lowers_the_loss(trained: tuple[Path, dict]
     assert corpus["target_fingerprint"] == report["target_fingerprint"]
     assert 0 < corpus["sequences"] <= report["train_conversations"]
     assert read_tokens(tokens_file(out)).size == corpus["tokens"] + corpus["sequences"]
+    # and their text, which other targets' tokenizers re-tokenize
+    assert len(read_texts(out)) == corpus["sequences"] and all(read_texts(out))
 
 
 def test_training_resumes_without_redoing_finished_stages(

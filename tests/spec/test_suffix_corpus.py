@@ -1,7 +1,7 @@
 """The public suffix corpus: spec/suffix_corpus.c against its plain-Python oracle; the
 proposer asks it only when the request's own tries find nothing; in the engine, greedy
-output with it equals output without speculation, and a corpus is refused for another
-target."""
+output with it equals output without speculation, a corpus is refused for another target
+unless it has its text, which is then re-tokenized for this one (once, cached)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,13 @@ from quickdraft.spec.speculator import CORPUS_MAX_REQUESTS
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_corpus import (
     SuffixCorpus,
+    derive_corpus,
     find_corpus,
+    read_texts,
     read_tokens,
     tokens_file,
     write_corpus,
+    write_texts,
 )
 from tests.spec.suffix_corpus_reference import reference_tree
 from tests.spec.test_spec_engine import GREEDY, PROMPTS, make_engine, run_staggered
@@ -117,6 +120,40 @@ def test_file_round_trip_and_target_check(tmp_path: Path) -> None:
         write_corpus(tmp_path, [[-3]], "abc", "test")
 
 
+def test_another_target_s_text_is_tokenized_once_for_this_one(tmp_path: Path) -> None:
+    shipped = tmp_path / "shipped"
+    source = shipped / "other-model"
+    source.mkdir(parents=True)
+    texts = ["ab c", "d\u00e9", "ab c"]
+    write_corpus(source, [[1, 2, 3], [5, 6], [1, 2, 3]], "other", "test")  # 8 tokens
+    write_texts(source, texts)
+    assert read_texts(source) == texts
+    calls: list[list[str]] = []
+
+    def tokenize(batch: list[str]) -> list[list[int]]:  # one id a character
+        calls.append(batch)
+        return [[ord(ch) for ch in text] for text in batch]
+
+    cache = tmp_path / "cache"
+    derived = derive_corpus(source, tokenize, "mine", cache)
+    assert read_tokens(tokens_file(derived)).tolist() == _flat(tokenize(texts))
+    assert derive_corpus(source, tokenize, "mine", cache) == derived and len(calls) == 2
+    assert [p.name for p in derived.parent.iterdir()] == [derived.name]  # no staging left
+    # "auto": this target's own corpus first, else the text derived, else none
+    mine = find_corpus("auto", "mine", shipped, tokenize, cache)
+    assert mine is not None and mine.num_tokens == 10  # one id a character
+    assert find_corpus("auto", "other", shipped, tokenize, cache).num_tokens == 8
+    assert find_corpus("auto", "mine", shipped) is None
+    assert find_corpus(str(source), "mine", shipped, tokenize, cache).num_tokens == 10
+    with pytest.raises(ValueError, match="target_fingerprint"):  # no way to derive it
+        find_corpus(str(source), "mine", shipped)
+    (source / "suffix_corpus.txt.xz").unlink()
+    with pytest.raises(ValueError, match="target_fingerprint"):  # no text to derive from
+        find_corpus(str(source), "yours", shipped, tokenize, cache)
+    with pytest.raises(ValueError, match="NUL"):
+        write_texts(source, ["a\0b"])
+
+
 def _request(prompt: list[int], output: list[int]) -> Request:
     r = Request(f"r{prompt}{output}", list(prompt), SamplingParams(max_tokens=64),
                 frozenset(), cache_salt="t")
@@ -163,6 +200,27 @@ def test_greedy_equal_with_the_corpus_and_its_drafts_accepted(tiny_model_dir, co
     assert any(kind.startswith("corpus/") for kind in pools)
     assert spec.speculator.stats.by_source.get("corpus", [0])[0] > 0  # verified as "corpus"
     assert sum(u.num_accepted_tokens for u in usage.values()) > 0
+
+
+def test_another_target_s_corpus_text_drafts_for_this_one(tiny_model_dir, tmp_path,
+                                                          monkeypatch):
+    """A corpus written for another target, with its text: the engine tokenizes the text
+    with its own tokenizer (under its cache directory) and drafts from it losslessly."""
+    plain = make_engine(tiny_model_dir, "off")
+    answers = [out.token_ids for out in plain.generate(PROMPTS, GREEDY)]
+    write_corpus(tmp_path, answers, "another-model", "test")
+    write_texts(tmp_path, [plain.tokenizer.decode(a, skip_special_tokens=False)
+                           for a in answers])
+    monkeypatch.setenv("QUICKDRAFT_CACHE", str(tmp_path / "cache"))
+    spec = make_engine(tiny_model_dir, "suffix", suffix_corpus=str(tmp_path))
+    assert spec.speculator.suffix is not None and spec.speculator.suffix.corpus is not None
+    assert list((tmp_path / "cache" / "suffix_corpus").iterdir())
+    want, _ = run_staggered(plain, PROMPTS, GREEDY)
+    free = spec.kv.num_free_blocks
+    got, _ = run_staggered(spec, PROMPTS, GREEDY)
+    assert got == want
+    assert spec.kv.num_free_blocks == free
+    assert spec.speculator.stats.by_source.get("corpus", [0])[0] > 0
 
 
 def test_a_corpus_for_another_target_is_refused(tiny_model_dir, tmp_path):
