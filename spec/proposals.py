@@ -21,7 +21,7 @@ from quickdraft.spec.ngram import NgramProposer
 from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import AcceptanceTracker, expected_accepted
 from quickdraft.spec.recycling import RecyclingProposer
-from quickdraft.spec.state import prior
+from quickdraft.spec.state import corpus_lookups_to_skip, prior
 from quickdraft.spec.suffix import SuffixConfig, SuffixProposer
 from quickdraft.spec.suffix_corpus import SuffixCorpus
 from quickdraft.spec.suffix_tree import available as suffix_tree_available
@@ -154,10 +154,18 @@ class Proposers:
         at its depth (so the likeliest path is exactly a chain's scores, and a branch the
         context took a third as often scores a third), capped by its parent's score."""
         assert self.suffix is not None
+        state = request.spec_state
+        public = public and self.suffix.corpus is not None
+        if public and state.corpus_to_skip > 0:  # backing off the corpus (spec/state.py)
+            state.corpus_to_skip -= 1
+            public = False
         if min_gain > 0.0 and not self._may_pay(request, public, min_gain):
             self.num_unpayable_lookups += 1
             return None
         draft = self.suffix.propose_tree(request, MAX_TREE_NODES, public)
+        if public and (draft.public or not draft.tokens):  # the corpus was asked
+            state.corpus_idle += 1
+            state.corpus_to_skip = corpus_lookups_to_skip(state.corpus_idle)
         if not draft.tokens:
             return None
         # acceptance is tracked per match length: a draft continuing a long matched suffix

@@ -420,6 +420,8 @@ class Speculator:
             return
         if tracker is not None:  # a tree's acceptance is its path's, tested depth-wise
             tracker.update(depth, num_accepted)
+        if source == "corpus" and num_accepted:  # the corpus pays here: ask it every time
+            state.corpus_idle = state.corpus_to_skip = 0
         request.num_spec_steps += 1
         request.num_drafted_tokens += num_drafted
         request.num_accepted_tokens += num_accepted

@@ -44,10 +44,29 @@ RECYCLING_PRIOR = 0.3
 IDLE_BEFORE_BACKOFF = 8
 MAX_LOOKUP_SKIP = 3
 
+# Corpus back-off: the public corpus is asked where the request's tries find nothing, and
+# there its look-up can cost more than the rest of the plan (on Qwen2.5-Coder-1.5B, whose
+# step streams 1.1 GB past the caches, ~0.5 ms after each ~50 ms step; spec_bench's
+# translations found 2-token matches in it in 8 % of steps and none was accepted:
+# 0.964x). After CORPUS_IDLE_BEFORE_BACKOFF corpus look-ups in a row without an accepted
+# corpus draft, a request asks it at every 2nd chance, then every 4th, 8th, ... every
+# (MAX_CORPUS_SKIP + 1)-th (four look-ups at each rate); an accepted corpus draft restarts
+# the count.
+CORPUS_IDLE_BEFORE_BACKOFF = 8
+MAX_CORPUS_SKIP = 31
+
 
 def lookups_to_skip(idle_lookups: int) -> int:
     """Lookups a request skips after ``idle_lookups`` undrafted proposals in a row."""
     return min(idle_lookups // IDLE_BEFORE_BACKOFF, MAX_LOOKUP_SKIP)
+
+
+def corpus_lookups_to_skip(idle: int) -> int:
+    """Chances to ask the corpus a request lets pass after ``idle`` corpus look-ups in a row
+    without an accepted corpus draft."""
+    if idle < CORPUS_IDLE_BEFORE_BACKOFF:
+        return 0
+    return min((2 << (idle - CORPUS_IDLE_BEFORE_BACKOFF) // 4) - 1, MAX_CORPUS_SKIP)
 
 
 def prior(source: str) -> float:
@@ -74,6 +93,10 @@ class RequestSpecState:
     # found, or refused by the policy), and lookups still to skip before the next one
     idle_lookups: int = 0
     lookups_to_skip: int = 0
+    # corpus back-off (Proposers._suffix_tree, Speculator.record): corpus look-ups since its
+    # last accepted draft, and chances to ask it still to let pass
+    corpus_idle: int = 0
+    corpus_to_skip: int = 0
     num_head_features: int = 0  # rows in head_feature_chunks, counted as they come: summed
     # on every add, a request's cost grew with its steps (chunks pile up while the head
     # does not draft, e.g. at C=8)

@@ -5,6 +5,7 @@ unless it has its text, which is then re-tokenized for this one (once, cached)."
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -251,3 +252,42 @@ def test_the_corpus_is_asked_in_small_steps_only(tiny_model_dir, tmp_path):
     few = requests(CORPUS_MAX_REQUESTS)
     spec.speculator.plan(few, [4] * len(few), len(few), 4 * len(few))
     assert corpus_kinds() and all(r.spec_token_ids[:1] == [13] for r in few)
+
+
+def test_a_request_backs_off_a_corpus_whose_drafts_it_never_accepts(tiny_model_dir, tmp_path,
+                                                                   monkeypatch):
+    """After CORPUS_IDLE_BEFORE_BACKOFF corpus look-ups without an accepted corpus draft a
+    request asks the corpus ever more rarely (its tries are still asked every step); one
+    accepted corpus draft and it asks every time again."""
+    answer = [10, 11, 12, 13, 14, 15, 16, 17]
+    write_corpus(tmp_path, [answer], model_fingerprint(Path(tiny_model_dir)), "test")
+    spec = make_engine(tiny_model_dir, "suffix", suffix_corpus=str(tmp_path))
+    corpus = spec.speculator.suffix.corpus
+    asked: list[int] = []
+    real = corpus.speculate_tree
+    monkeypatch.setattr(corpus, "speculate_tree",
+                        lambda *a, **k: asked.append(now[0]) or real(*a, **k))
+    request = Request("r", [1], SamplingParams(max_tokens=64), frozenset())
+    request.output_token_ids = answer[:3]  # only the corpus continues it
+    now = [0]  # the step being planned
+
+    def run(steps: range, accept: bool) -> None:
+        for now[0] in steps:
+            spec.speculator.plan([request], [4], 1, 4)
+            drafted = len(request.spec_token_ids)
+            if drafted:  # verified: rejected (or its first draft accepted)
+                spec.speculator.record(request, drafted, int(accept))
+            request.clear_drafts()
+
+    run(range(40), accept=False)  # (the tries' own back-off thins the chances too)
+    gaps = [b - a for a, b in itertools.pairwise(asked)]
+    assert asked[:8] == list(range(8)) and min(gaps[7:]) >= 2 and max(gaps) >= 4
+    assert len(asked) < 20 and request.spec_state.corpus_idle == len(asked)
+    assert request.spec_state.corpus_to_skip > 0
+    # a corpus draft verified with a token accepted: the next chance asks it
+    request.spec_state.in_flight_source = "corpus"
+    spec.speculator.record(request, 2, 1)
+    assert request.spec_state.corpus_idle == request.spec_state.corpus_to_skip == 0
+    request.spec_state.lookups_to_skip = 0
+    run(range(100, 101), accept=True)
+    assert asked[-1] == 100
