@@ -263,6 +263,7 @@ def derive_corpus(source: Path, tokenize: Tokenize, fingerprint: str, cache: Pat
     sequences = [ids for ids in tokenize(texts) if ids]
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".derive-", dir=out.parent))
+    staging.chmod(0o755)  # (mkdtemp's is 0o700: a cache directory like the others)
     try:
         write_corpus(staging, sequences, fingerprint,
                      f"{source.name}'s corpus text ({digest}), tokenized for this target")

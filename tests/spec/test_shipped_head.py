@@ -20,7 +20,7 @@ from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.kernels import cpu_q4q8
 from quickdraft.spec.draft_head import SHIPPED_HEADS, find_head, model_fingerprint
 from quickdraft.spec.params import SpeculationParams
-from tests.spec.test_spec_engine import run_staggered
+from tests.spec.test_spec_engine import assert_lossless
 
 PROMPTS_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts" / \
     "spec_bench.json"
@@ -94,13 +94,8 @@ def test_staggered_batch_with_the_shipped_head_equals_no_speculation(
     spec = make("head", "bfloat16", num_kv_blocks=64, block_size=16)
     prompts = [p["messages"][-1]["content"] for cat in ("multi_turn_chat", "rag_qa")
                for p in json.loads(PROMPTS_PATH.read_text())["categories"][cat]]
-    params = SamplingParams(temperature=0.0, max_tokens=32)
-    want, _ = run_staggered(plain, prompts, params)
-    free = spec.kv.num_free_blocks
-    got, _ = run_staggered(spec, prompts, params)
-    assert got == want
-    assert spec.kv.num_free_blocks == free
-    assert spec.speculator.stats.by_source.get("head", [0])[0] > 0
+    assert_lossless(plain, spec, prompts, SamplingParams(temperature=0.0, max_tokens=32),
+                    "head")
 
 
 def _generate(engine: LLMEngine, ids: list[int], how: SpeculationParams | None) -> list[int]:

@@ -48,6 +48,19 @@ def run_staggered(engine: LLMEngine, prompts: list[str], params: SamplingParams)
     return [tokens[f"r{i}"] for i in range(len(prompts))], usage
 
 
+def assert_lossless(plain: LLMEngine, spec: LLMEngine, prompts: list[str],
+                    params: SamplingParams, source: str) -> dict:
+    """``spec``'s output in a staggered batch equals ``plain``'s token for token, every KV
+    block it took comes back, and drafts from ``source`` were verified; its usage."""
+    want, _ = run_staggered(plain, prompts, params)
+    free = spec.kv.num_free_blocks
+    got, usage = run_staggered(spec, prompts, params)
+    assert got == want
+    assert spec.kv.num_free_blocks == free
+    assert spec.speculator.stats.by_source.get(source, [0])[0] > 0
+    return usage
+
+
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     return make_engine(tiny_model_dir, "off"), make_engine(tiny_model_dir, "ngram")
