@@ -130,8 +130,8 @@ class LLMEngine:
             verify_trees=self.runner.backend.verify_trees,
             suffix_corpus=find_corpus(
                 config.suffix_corpus, model_fingerprint(model_dir), SHIPPED_HEADS,
-                self._tokenize_texts, loader.cache_root()) if config.speculation != "off"
-            else None,
+                self._tokenize_texts, loader.cache_root(), self.runner.vocab_size)
+            if config.speculation != "off" else None,
             speed_guard=SpeedGuardConfig() if config.speed_guard else None,
             draft_cost=observed)
         # the scheduler decides who runs with how many drafts; the speculator follows it
@@ -142,21 +142,8 @@ class LLMEngine:
 
     def _tokenize_texts(self, texts: list[str]) -> list[list[int]]:
         """The target's token ids of each text, no special tokens added (a public corpus's
-        text re-tokenized for this target: spec/suffix_corpus.py), each cut where its
-        tokenizer gives an id the model has no embedding for (pieces kept apart)."""
-        vocab = self.runner.vocab_size
-        pieces: list[list[int]] = []
-        for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
-            piece: list[int] = []
-            for token in ids:
-                if token < vocab:
-                    piece.append(token)
-                elif piece:
-                    pieces.append(piece)
-                    piece = []
-            if piece:
-                pieces.append(piece)
-        return pieces
+        text re-tokenized for this target: spec/suffix_corpus.py)."""
+        return list(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
 
     def describe_speculation(self) -> dict[str, Any]:
         """What drafts for this engine (for ``/health``): the default method, whether a draft

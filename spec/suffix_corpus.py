@@ -249,18 +249,19 @@ def read_texts(directory: Path) -> list[str]:
 Tokenize = Callable[[list[str]], list[list[int]]]  # texts -> token ids, no special tokens
 
 
-def derive_corpus(source: Path, tokenize: Tokenize, fingerprint: str, cache: Path) -> Path:
+def derive_corpus(source: Path, tokenize: Tokenize, fingerprint: str, cache: Path,
+                  vocab_size: int | None = None) -> Path:
     """A corpus for the target of ``fingerprint`` from ``source``'s text (another target's
-    corpus directory), tokenized by ``tokenize``: written once under ``cache`` (named by
-    the target and the text's digest; a half-written one is never seen, as the directory
-    appears whole) and its directory returned."""
-    text = (source / TEXT_FILE).read_bytes()
-    digest = hashlib.sha256(text).hexdigest()[:16]
+    corpus directory), tokenized by ``tokenize`` and cut where it gives an id of
+    ``vocab_size`` or more (one the model has no embedding for; the pieces kept apart):
+    written once under ``cache`` (named by the target and the text's digest; a half-written
+    one is never seen, as the directory appears whole) and its directory returned."""
+    digest = hashlib.sha256((source / TEXT_FILE).read_bytes()).hexdigest()[:16]
     out = cache / "suffix_corpus" / f"{fingerprint}-{digest}"
     if (out / CORPUS_CONFIG).is_file():
         return out
-    texts = lzma.decompress(text).decode().split("\0")
-    sequences = [ids for ids in tokenize(texts) if ids]
+    sequences = [piece for ids in tokenize(read_texts(source))
+                 for piece in _embeddable_pieces(ids, vocab_size) if piece]
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".derive-", dir=out.parent))
     staging.chmod(0o755)  # (mkdtemp's is 0o700: a cache directory like the others)
@@ -277,9 +278,22 @@ def derive_corpus(source: Path, tokenize: Tokenize, fingerprint: str, cache: Pat
     return out
 
 
+def _embeddable_pieces(ids: list[int], vocab_size: int | None) -> list[list[int]]:
+    """``ids`` split at (and without) every id of ``vocab_size`` or more (None: whole)."""
+    if vocab_size is None or all(i < vocab_size for i in ids):
+        return [ids]
+    pieces: list[list[int]] = [[]]
+    for i in ids:
+        if i < vocab_size:
+            pieces[-1].append(i)
+        elif pieces[-1]:
+            pieces.append([])
+    return pieces
+
+
 def find_corpus(setting: str | None, fingerprint: str, shipped: Path,
                 tokenize: Tokenize | None = None, cache: Path | None = None,
-                ) -> SuffixCorpus | None:
+                vocab_size: int | None = None) -> SuffixCorpus | None:
     """The corpus an engine drafts from: None / "none" = none; "auto" = the one shipped
     (under ``shipped``) for this target's ``fingerprint``, else one derived from a shipped
     corpus's text (given ``tokenize`` and ``cache``: :func:`derive_corpus`), else none; else
@@ -294,12 +308,13 @@ def find_corpus(setting: str | None, fingerprint: str, shipped: Path,
         if own:
             return load_corpus(own[0])
         if texts and tokenize is not None and cache is not None:
-            return load_corpus(derive_corpus(texts[0], tokenize, fingerprint, cache))
+            return load_corpus(derive_corpus(texts[0], tokenize, fingerprint, cache,
+                                              vocab_size))
         return None
     directory = Path(setting).expanduser().resolve()
     if tokenize is not None and cache is not None and (directory / TEXT_FILE).is_file() \
             and _target_of(directory) != fingerprint:
-        return load_corpus(derive_corpus(directory, tokenize, fingerprint, cache))
+        return load_corpus(derive_corpus(directory, tokenize, fingerprint, cache, vocab_size))
     check_corpus_target(directory, fingerprint)
     return load_corpus(directory)
 

@@ -140,6 +140,10 @@ def test_another_target_s_text_is_tokenized_once_for_this_one(tmp_path: Path) ->
     assert read_tokens(tokens_file(derived)).tolist() == _flat(tokenize(texts))
     assert derive_corpus(source, tokenize, "mine", cache) == derived and len(calls) == 2
     assert [p.name for p in derived.parent.iterdir()] == [derived.name]  # no staging left
+    # ids the model has no embedding for cut the answers (a vocabulary of 99 ids: "c" is
+    # 99, "d" 100, "é" 233)
+    small = derive_corpus(source, tokenize, "small", cache, vocab_size=99)
+    assert read_tokens(tokens_file(small)).tolist() == _flat([[97, 98, 32], [97, 98, 32]])
     # "auto": this target's own corpus first, else the text derived, else none
     mine = find_corpus("auto", "mine", shipped, tokenize, cache)
     assert mine is not None and mine.num_tokens == 10  # one id a character
