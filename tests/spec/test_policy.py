@@ -113,6 +113,19 @@ def test_background_requests_lose_drafts_first_when_the_batch_is_saturated():
     assert policy.allocate([0.9] * 3, [4] * 3, 3, weights=[1.0] * 3) != ks
 
 
+@pytest.mark.parametrize("curve", [StepCost((1, 2, 64), (1.0, 1.13, 9.2)),  # +13 % a row
+                                   StepCost((1, 4, 5, 64), (1.0, 1.0, 1.3, 18.0)),
+                                   StepCost.memory_bound(0.02)])
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.8, 0.95])
+def test_a_lone_request_gets_the_drafts_that_maximise_its_tokens_per_second(curve, alpha):
+    """Against every draft count: one at a time while the rate rises finds the best."""
+    policy = SpeculationPolicy(curve, max_k=8)
+    ks, rate = policy.allocate_with_rate([alpha], [8], num_plain_tokens=1)
+    best = max(range(9), key=lambda k: (1.0 + expected_accepted(alpha, k)) / curve(1 + k))
+    assert ks == [best]
+    assert rate == pytest.approx((1.0 + expected_accepted(alpha, best)) / curve(1 + best))
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.95, 1.0])
 @pytest.mark.parametrize("n", [0, 1, 2, 5, 16])
 def test_expected_accepted_is_the_chain_sum(alpha, n):
