@@ -277,3 +277,32 @@ def head_layer(emb: torch.Tensor,  # [T or r, hidden] bf16: the embeddings of th
     except (RuntimeError, ValueError):
         return None
     return out
+
+
+def head_forward(input_ids: torch.Tensor,  # int64 [T or r]: the rows' tokens
+                 positions: torch.Tensor,  # int64 [T or r]: their RoPE positions
+                 hidden: torch.Tensor,  # bf16 [T or r, 3 hidden] features or [.., hidden]
+                 embed: torch.Tensor,  # the target's bf16 [vocab, hidden] embeddings
+                 rope_tables: tuple[torch.Tensor, torch.Tensor],  # bf16 [positions, d]
+                 weights: list[torch.Tensor],  # head_layer's, + final norm, LM head (, fc)
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, heads: int, kv_heads: int,
+                 eps: float, scale: float, rows: torch.Tensor | None = None,
+                 logit_rows: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The draft head's forward in one native call: :func:`head_layer` over the rows'
+    embeddings and RoPE rows (gathered inside), on ``hidden`` or, given the target's fused
+    features, on ``fc(hidden)``; and the fp32 logits ``[l, V_d]`` of its outputs' rows
+    ``logit_rows`` (None: all) through the final norm and the LM head. The same kernels in
+    the same order as the head's torch calls (``spec/draft_head.py``), so the same bits.
+    ``weights``: :func:`head_layer_weights`' list, then the final norm and the LM head's
+    q4q8 parts, then optionally fc's. None when the native side declines (an id, position
+    or block out of range: nothing written)."""
+    mask = _NO_MASK if meta.tree_mask is None else meta.tree_mask
+    tensors = [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, mask]
+    try:
+        out, logits = torch.ops.quickdraft_cpu.head_forward(
+            input_ids, positions, hidden, embed, rope_tables[0], rope_tables[1], weights,
+            kv_cache, tensors, heads, kv_heads, eps, scale, rows, logit_rows)
+    except (RuntimeError, ValueError):
+        return None
+    return out, logits

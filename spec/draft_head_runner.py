@@ -24,11 +24,16 @@ pending, target features known for positions ``< n - 1``):
    tree-attention call: every node fed so far is a tree row over the request's cached
    positions ``[0, base]``, with its path as its ancestor mask. Only the new nodes are
    computed: earlier rounds' rows get a zero query and write nothing (their K/V are
-   cached). On q4q8 weights (bf16 on the CPU) the whole layer is one native call
-   (:func:`kernels.cpu_layer.head_layer` with the new nodes' ``rows``). (It used to
-   recompute every fed node there, rewriting earlier rounds' K/V with the same values, in
-   rounds of at most 8 rows: on the 2-core AVX2-only Zen 3 a head layer costs ~50 us a row
-   more, and proposals of 4 and 8 nodes took 0.91x and 0.90x the time without it.)
+   cached). On q4q8 weights (bf16 on the CPU) the whole forward is one native call
+   (:func:`kernels.cpu_layer.head_forward` with the new nodes' ``rows``: fc on a
+   catch-up's features, the embedding and RoPE rows, the layer, the LM head's fp32
+   logits), the same bits as the torch calls around the layer, each slow after a target
+   step has left the dispatcher's code and data cold (on the 2-core AMX Xeon, proposals
+   of 1 / 4 / 8 nodes right after a target step took 0.73x / 0.80x / 0.78x the time of the
+   layer alone native). (The layer used to recompute every fed node there, rewriting
+   earlier rounds' K/V with the same values, in rounds of at most 8 rows: on the 2-core
+   AVX2-only Zen 3 a head layer costs ~50 us a row more, and proposals of 4 and 8 nodes
+   took 0.91x and 0.90x the time without it.)
 3. fill: the best remaining candidates complete the tree to ``k`` nodes (leaves).
 
 The search itself (candidates, rounds, the tree) is :class:`spec.head_search.HeadSearch`.
@@ -115,6 +120,9 @@ class DraftHeadRunner:
         # the layer in one native call (kernels.cpu_layer.head_layer) where the target runs
         # its own layers natively on q4q8 weights; None: the Python layer
         self.native = self._native_weights(target)
+        # ... and the whole forward (fc, the gathers, the layer, the LM head:
+        # kernels.cpu_layer.head_forward) where fc and the LM head have q4q8 copies too
+        self.native_forward = self._native_forward_weights()
 
     def _use_target_kernels(self, target: LlamaForCausalLM) -> str:
         """Run the head's matrices the way the target runs its own (chosen by measurement at
@@ -154,6 +162,19 @@ class DraftHeadRunner:
         return cpu_layer.head_layer_weights(head.input_norm.detach(), head.hidden_norm.detach(),
                                             parts[0], parts[1], head.post_norm.detach(),
                                             parts[2], parts[3])
+
+    def _native_forward_weights(self) -> list[torch.Tensor] | None:
+        """:func:`kernels.cpu_layer.head_forward`'s weight list: the layer's, the final
+        norm, the LM head's q4q8 parts and fc's; None without the native layer or those
+        copies."""
+        head = self.head
+        if self.native is None or not all(
+                isinstance(lin, HeadLinear) and isinstance(lin.int4, cpu_q4q8.Q4Q8Weight)
+                for lin in (head.lm_head, head.fc)):
+            return None
+        lm_head, fc = (cpu_q4q8.native_parts(w) for w in (head.lm_head.int4, head.fc.int4)
+                       if isinstance(w, cpu_q4q8.Q4Q8Weight))
+        return [*self.native, head.norm.detach(), *lm_head, *fc]
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -200,6 +221,25 @@ class DraftHeadRunner:
         return cpu_layer.head_layer(emb, hidden.contiguous(), self.native, cos_sin,
                                     self.kv_cache, meta, self.heads, self.kv_heads,
                                     self.head.config.rms_norm_eps, self.scale, rows)
+
+    def _whole_forward(self, hidden: torch.Tensor, token_ids: list[int], positions: list[int],
+                       meta: AttentionMetadata, rows: torch.Tensor | None = None,
+                       logit_rows: list[int] | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The forward in one native call (:func:`kernels.cpu_layer.head_forward`):
+        ``hidden`` (the target's features ``[R, 3h]``, or parent outputs ``[r, h]``) ->
+        outputs ``o`` and the fp32 logits of their rows ``logit_rows`` (None: all), the
+        bits of :meth:`_forward` (or :meth:`_round_native`) then :meth:`_logits`; None where
+        it does not run."""
+        if self.native_forward is None:
+            return None
+        device = self.embed.device
+        index = torch.tensor([token_ids, positions], dtype=torch.int64, device=device)
+        picked = None if logit_rows is None else torch.tensor(logit_rows, device=device)
+        return cpu_layer.head_forward(index[0], index[1], hidden.contiguous(), self.embed,
+                                      (self.rotary.cos, self.rotary.sin), self.native_forward,
+                                      self.kv_cache, meta, self.heads, self.kv_heads,
+                                      self.head.config.rms_norm_eps, self.scale, rows, picked)
 
     def _forward(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
                  ) -> torch.Tensor:
@@ -279,12 +319,17 @@ class DraftHeadRunner:
                                    [inp.block_table for inp in inputs])
         device = self.embed.device
         features = torch.cat([inp.features for inp in inputs]).to(device, head.fc.weight.dtype)
-        fused = head.fc(features)  # [R, h]
-        out = self._forward(fused, plan.input_ids, plan)
-        last = torch.tensor(plan.logits_indices, device=device)
+        whole = self._whole_forward(features, plan.input_ids, plan.positions,
+                                    plan.attention_metadata(self.block_size, device),
+                                    logit_rows=plan.logits_indices)
+        if whole is not None:
+            out, first = whole  # [R, h], [B, V_d]
+        else:
+            out = self._forward(head.fc(features), plan.input_ids, plan)  # [R, h]
+            first = self._logits(out[torch.tensor(plan.logits_indices, device=device)])
         roots = [HeadSearch(inp, out[row]) for inp, row in
                  zip(inputs, plan.logits_indices, strict=True)]
-        self._expand([(s, -1) for s in roots], self._logits(out[last]))
+        self._expand([(s, -1) for s in roots], first)
         # 2. rounds: feed the best candidates (K/V at their node slots), learn their children
         rounds = max(s.rounds for s in roots)
         for round_index in range(rounds):
@@ -296,11 +341,19 @@ class DraftHeadRunner:
             meta = plan.attention_metadata(self.block_size, device)
             fed = torch.tensor([plan.query_start_loc[a] + node for a, s in enumerate(active)
                                 for node in s.pending], device=device)  # [r] flat rows
-            native = self._round_native(rows, plan, meta, fed)
-            out = native if native is not None else self._round_python(rows, plan, meta, fed)
+            parents = torch.stack([s.parent_out(n) for s, n in rows])  # [r, h]
+            whole = self._whole_forward(parents, [s.tokens[n] for s, n in rows],
+                                        [s.base + s.depth[n] for s, n in rows], meta, fed)
+            if whole is not None:
+                out, logits = whole
+            else:
+                native = self._round_native(rows, plan, meta, fed)
+                out = native if native is not None else \
+                    self._round_python(rows, plan, meta, fed)
+                logits = self._logits(out)
             for i, (s, node) in enumerate(rows):
                 s.outputs[node] = out[i]
-            self._expand(rows, self._logits(out))
+            self._expand(rows, logits)
             for s in active:
                 s.pending.clear()
         return [s.finish() for s in roots]

@@ -183,11 +183,12 @@ def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
 
 def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
                                                                default_model_dir: Path) -> None:
-    """On q4q8 weights (the default model in bf16) the head's layer runs in one native call
-    (kernels.cpu_layer.head_layer), rounds recomputing every fed node: the same kernels in
-    the same order as the Python layer, so the same trees and chains with the same scores,
-    bit for bit, at batch 1 and 2, also with the q4q8 matmuls on the AVX2-only kind's loop;
-    and greedy serving with it equals no speculation."""
+    """On q4q8 weights (the default model in bf16) the head's whole forward runs in one
+    native call (kernels.cpu_layer.head_forward: fc, the gathers, the layer, the LM head),
+    else its layer alone (kernels.cpu_layer.head_layer): the same kernels in the same order
+    as the Python forward, so the same trees and chains with the same scores, bit for bit,
+    at batch 1 and 2, also with the q4q8 matmuls on the AVX2-only kind's loop; and greedy
+    serving with it equals no speculation."""
     import torch
 
     from quickdraft.engine import loader
@@ -209,20 +210,27 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
                         SamplingParams(temperature=0.0), None, max_depth=4),
               HeadInput(feats[:20], tokens[1:21], 0, 4, tuple(range(4, 8)),
                         SamplingParams(temperature=0.0), None, tree=False)]  # 3 rounds
+    assert runner.native_forward is not None  # the whole forward in one call
     for batch in (inputs[:1], inputs):
-        native = runner.propose(batch)
-        weights, runner.native = runner.native, None
+        whole = runner.propose(batch)
+        forward, runner.native_forward = runner.native_forward, None
         try:
-            python = runner.propose(batch)
+            native = runner.propose(batch)  # the layer alone native
+            weights, runner.native = runner.native, None
+            try:
+                python = runner.propose(batch)
+            finally:
+                runner.native = weights
         finally:
-            runner.native = weights
+            runner.native_forward = forward
         cpu_layer.use_q4q8_loop(False)  # the AVX2-only kind's loop (the same on either)
         try:
             avx2 = runner.propose(batch)
         finally:
             cpu_layer.use_q4q8_loop(None)
-        for a, b, c in zip(native, python, avx2, strict=True):
-            assert a.tree == b.tree == c.tree and a.scores == b.scores == c.scores
+        for w, a, b, c in zip(whole, native, python, avx2, strict=True):
+            assert w.tree == a.tree == b.tree == c.tree
+            assert w.scores == a.scores == b.scores == c.scores
             assert len(a.tree) > 1
     assert native[1].tree.max_depth == 4  # (this untrained head's tree is flat)
     # a step the attention kernel rejects (a block id out of range): None, nothing written
@@ -237,6 +245,26 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
                                    runner.heads, runner.kv_heads, shape.rms_norm_eps,
                                    runner.scale)
     assert out is None and not kv.any()
+    # the whole forward likewise, and for a token id or a position out of range
+    ids, positions = torch.tensor([1, 2]), torch.arange(2)
+    good = build_metadata([0, 2], [2], [[0]], 16)
+    for bad_ids, bad_positions, step in ((ids, positions, meta),
+                                         (torch.tensor([1, shape.vocab_size]), positions, good),
+                                         (ids, torch.tensor([0, 1 << 40]), good)):
+        with torch.inference_mode():
+            out = cpu_layer.head_forward(bad_ids, bad_positions, rows, runner.embed,
+                                         (runner.rotary.cos, runner.rotary.sin),
+                                         runner.native_forward, kv, step, runner.heads,
+                                         runner.kv_heads, shape.rms_norm_eps, runner.scale)
+        assert out is None and not kv.any()
+    with torch.inference_mode():  # and the same step in range: computed, its K/V written
+        done = cpu_layer.head_forward(ids, positions, rows, runner.embed,
+                                      (runner.rotary.cos, runner.rotary.sin),
+                                      runner.native_forward, kv, good, runner.heads,
+                                      runner.kv_heads, shape.rms_norm_eps, runner.scale)
+    assert done is not None and kv.any()
+    vocab = runner.head.config.draft_vocab_size
+    assert done[1].dtype == torch.float32 and done[1].shape == (2, vocab)
     _assert_head_serves_losslessly(plain, spec, PROMPTS[:2], max_tokens=16)
 
 
