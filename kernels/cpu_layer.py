@@ -295,8 +295,8 @@ def head_forward(input_ids: torch.Tensor,  # int64 [T or r]: the rows' tokens
     ``logit_rows`` (None: all) through the final norm and the LM head. The same kernels in
     the same order as the head's torch calls (``spec/draft_head.py``), so the same bits.
     ``weights``: :func:`head_layer_weights`' list, then the final norm and the LM head's
-    q4q8 parts, then optionally fc's. None when the native side declines (an id, position
-    or block out of range: nothing written)."""
+    q4q8 parts, then optionally fc's. None when the native side declines (an id, position,
+    logit row or block out of range: nothing written)."""
     mask = _NO_MASK if meta.tree_mask is None else meta.tree_mask
     tensors = [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, mask]
     try:

@@ -190,6 +190,14 @@ std::vector<at::Tensor> head_forward(const at::Tensor& ids, const at::Tensor& po
           "and optionally fc's 3");
     check(ids.sizes() == positions.sizes(), "ids and positions differ in length");
     check_activations(hidden_in, "hidden");
+    if (logit_rows_opt.has_value()) {  // checked before anything is written
+        const at::Tensor& picked = *logit_rows_opt;
+        check(picked.dim() == 1 && picked.is_contiguous() && picked.scalar_type() == at::kLong,
+              "logit_rows must be a contiguous int64 vector");
+        const int64_t* ix = picked.data_ptr<int64_t>();
+        for (int64_t i = 0; i < picked.numel(); ++i)
+            check(ix[i] >= 0 && ix[i] < ids.size(0), "logit_rows out of range");
+    }
     const int threads = at::get_num_threads();
     const int64_t h = embed.size(1);
     at::Tensor hidden = hidden_in;

@@ -245,17 +245,20 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
                                    runner.heads, runner.kv_heads, shape.rms_norm_eps,
                                    runner.scale)
     assert out is None and not kv.any()
-    # the whole forward likewise, and for a token id or a position out of range
+    # the whole forward likewise, and for a token id, a position or a logit row out of range
     ids, positions = torch.tensor([1, 2]), torch.arange(2)
     good = build_metadata([0, 2], [2], [[0]], 16)
-    for bad_ids, bad_positions, step in ((ids, positions, meta),
-                                         (torch.tensor([1, shape.vocab_size]), positions, good),
-                                         (ids, torch.tensor([0, 1 << 40]), good)):
+    for bad_ids, bad_positions, step, picked in (
+            (ids, positions, meta, None),
+            (torch.tensor([1, shape.vocab_size]), positions, good, None),
+            (ids, torch.tensor([0, 1 << 40]), good, None),
+            (ids, positions, good, torch.tensor([2]))):
         with torch.inference_mode():
             out = cpu_layer.head_forward(bad_ids, bad_positions, rows, runner.embed,
                                          (runner.rotary.cos, runner.rotary.sin),
                                          runner.native_forward, kv, step, runner.heads,
-                                         runner.kv_heads, shape.rms_norm_eps, runner.scale)
+                                         runner.kv_heads, shape.rms_norm_eps, runner.scale,
+                                         logit_rows=picked)
         assert out is None and not kv.any()
     with torch.inference_mode():  # and the same step in range: computed, its K/V written
         done = cpu_layer.head_forward(ids, positions, rows, runner.embed,
