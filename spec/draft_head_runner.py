@@ -242,10 +242,10 @@ class DraftHeadRunner:
                                       self.head.config.rms_norm_eps, self.scale, rows, picked)
 
     def _forward(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
-                 ) -> torch.Tensor:
-        """One head layer over a flat batch of verified pairs, writing their K/V into the
-        paged cache: ``hidden [R, h]`` -> outputs ``o [R, h]``."""
-        meta = plan.attention_metadata(self.block_size, self.embed.device)
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """One head layer over a flat batch of verified pairs (``plan``'s, with its
+        ``meta``), writing their K/V into the paged cache: ``hidden [R, h]`` -> outputs
+        ``o [R, h]``."""
         out = self._native_layer(hidden, token_ids, plan.positions, meta)
         if out is not None:
             return out
@@ -277,23 +277,24 @@ class DraftHeadRunner:
         return StepPlan(input_ids, positions, query_start_loc, seq_lens,
                         [s.inp.block_table for s in active], [], [], tree_mask)
 
-    def _round_native(self, rows: list[tuple[HeadSearch, int]], plan: StepPlan,
+    def _round_native(self, rows: list[tuple[HeadSearch, int]], hidden: torch.Tensor,
                       meta: AttentionMetadata, fed: torch.Tensor) -> torch.Tensor | None:
-        """A round's new nodes' outputs ``[r, h]`` (``rows``: (search, node); flat rows
-        ``fed`` of ``plan``, which holds every node fed so far) from one native call that
-        computes and writes only them; None where it does not run."""
+        """A round's new nodes' outputs ``[r, h]`` (``rows``: (search, node), ``hidden``
+        their parents' outputs; flat rows ``fed`` of the round's step, which holds every node
+        fed so far) from one native call that computes and writes only them; None where it
+        does not run."""
         if self.native is None:
             return None
-        hidden = torch.stack([s.parent_out(n) for s, n in rows])  # [r, h]
         return self._native_layer(hidden, [s.tokens[n] for s, n in rows],
                                   [s.base + s.depth[n] for s, n in rows], meta, fed)
 
-    def _round_python(self, rows: list[tuple[HeadSearch, int]], plan: StepPlan,
-                      meta: AttentionMetadata, fed: torch.Tensor) -> torch.Tensor:
-        """A round's new nodes' outputs ``[r, h]`` (``rows``: (search, node); flat rows
-        ``fed``), computing only them: earlier rounds' rows get a zero query."""
+    def _round_python(self, rows: list[tuple[HeadSearch, int]], hidden: torch.Tensor,
+                      plan: StepPlan, meta: AttentionMetadata, fed: torch.Tensor,
+                      ) -> torch.Tensor:
+        """A round's new nodes' outputs ``[r, h]`` (``rows``: (search, node), ``hidden``
+        their parents' outputs; flat rows ``fed`` of ``plan``), computing only them: earlier
+        rounds' rows get a zero query."""
         head = self.head
-        hidden = torch.stack([s.parent_out(n) for s, n in rows])  # [r, h]
         q, k, v = self._qkv(hidden, [s.tokens[n] for s, n in rows],
                             [s.base + s.depth[n] for s, n in rows])
         self.attention.write_kv(k, v, self.kv_cache, meta.slot_mapping[fed])
@@ -319,13 +320,13 @@ class DraftHeadRunner:
                                    [inp.block_table for inp in inputs])
         device = self.embed.device
         features = torch.cat([inp.features for inp in inputs]).to(device, head.fc.weight.dtype)
-        whole = self._whole_forward(features, plan.input_ids, plan.positions,
-                                    plan.attention_metadata(self.block_size, device),
+        meta = plan.attention_metadata(self.block_size, device)
+        whole = self._whole_forward(features, plan.input_ids, plan.positions, meta,
                                     logit_rows=plan.logits_indices)
         if whole is not None:
             out, first = whole  # [R, h], [B, V_d]
         else:
-            out = self._forward(head.fc(features), plan.input_ids, plan)  # [R, h]
+            out = self._forward(head.fc(features), plan.input_ids, plan, meta)  # [R, h]
             first = self._logits(out[torch.tensor(plan.logits_indices, device=device)])
         roots = [HeadSearch(inp, out[row]) for inp, row in
                  zip(inputs, plan.logits_indices, strict=True)]
@@ -347,9 +348,9 @@ class DraftHeadRunner:
             if whole is not None:
                 out, logits = whole
             else:
-                native = self._round_native(rows, plan, meta, fed)
+                native = self._round_native(rows, parents, meta, fed)
                 out = native if native is not None else \
-                    self._round_python(rows, plan, meta, fed)
+                    self._round_python(rows, parents, plan, meta, fed)
                 logits = self._logits(out)
             for i, (s, node) in enumerate(rows):
                 s.outputs[node] = out[i]
