@@ -74,9 +74,16 @@ def measure_step_cost(run: Callable[[int], float], sizes: Sequence[int] = (1, 2,
                       budget_s: float = 4.0, rounds: int = 3) -> StepCost:
     """Time ``run(n)`` (a forward pass with n query tokens) for each size in increasing
     order, then again in up to ``rounds - 1`` more rounds over the same sizes while a whole
-    round fits in ``budget_s``; keep each size's best and make the curve non-decreasing.
-    Stops adding sizes once ``budget_s`` is spent (a big model on a CPU): :class:`StepCost`
-    extrapolates.
+    round fits in ``budget_s``, alternately in decreasing and increasing order; keep each
+    size's best and make the curve non-decreasing. Stops adding sizes once ``budget_s`` is
+    spent (a big model on a CPU): :class:`StepCost` extrapolates.
+
+    Alternating the order: each size after a round's first is timed right after a size
+    next to it. In increasing rounds only, the smallest sizes came right after the largest:
+    on the 2-core AMX Xeon (2026-11-30) a 1-row SmolLM2 step timed right after 64-row steps
+    (AMX tile multiplies) took 6.1-6.9 ms in two of three curves measured in one process,
+    against 3.6-4.1 ms in a loop of small steps, and with the curve made non-decreasing 1-,
+    2- and 4-row steps came out equal: drafts looked free at start-up.
 
     Rounds, not each size's repeats in a row: a neighbour slows the host for seconds at a
     time, and a size timed only inside such a spell bends the curve (on the 2-core AVX2-only
@@ -90,10 +97,12 @@ def measure_step_cost(run: Callable[[int], float], sizes: Sequence[int] = (1, 2,
             break
         xs.append(n)
         best.append(run(n))
-    for _ in range(rounds - 1):
+    for r in range(1, rounds):
         if time.perf_counter() + sum(best) > deadline:
             break
-        best = [min(b, run(n)) for n, b in zip(xs, best, strict=True)]
+        order = range(len(xs) - 1, -1, -1) if r % 2 else range(len(xs))
+        for i in order:
+            best[i] = min(best[i], run(xs[i]))
     seconds = list(accumulate(best, max))
     return StepCost(tuple(xs), tuple(seconds))
 
@@ -122,13 +131,18 @@ class ObservedStepCost:
     row at +2 % of the step; it was timed at +8 % (start-up curve: +9 %). A busy neighbour
     raises larger sizes' excess more (see above), which the floor keeps; a constant
     overhead (sampling, which the start-up curve does not time) is one excess at every size,
-    which it keeps too.
+    which it keeps too. The floor takes the largest of noisy excesses, so noise prices rows
+    too high the other way: hence a window of 32 steps (it was 8; at C=1 a size's median of
+    8 then ran from +15 % to +58 % of a 1-row step for one draft row within a run, on the
+    2-core AMX Xeon, 2026-11-30; with 32, spec_bench C=1 suffix came out 1.199x against
+    1.163x in one process, arms alternating). At C=1 a 1-row step's 32 take ~0.15 s: a busy
+    spell still shows within a second.
 
     Invariant: the observer (the engine, after each model step) is the only writer; every
     ratio is finite and > 0; the excess ``start-up(n) * (ratio(n) - 1)`` does not
     decrease with the observed size ``n``."""
 
-    def __init__(self, base: StepCost, window: int = 8, min_samples: int = 3,
+    def __init__(self, base: StepCost, window: int = 32, min_samples: int = 3,
                  stale_steps: int = 256, max_tokens: int = 1024) -> None:
         self.base = base
         self.window, self.min_samples = window, min_samples
@@ -221,14 +235,27 @@ class ObservedStepCost:
 
 @dataclass
 class AcceptanceTracker:
-    """Per-request acceptance estimate (exponential moving average over verified drafts).
-    ``pooled``: an estimate over many requests' drafts of the same kind, updated alongside
-    (a new request's tracker starts from it: see :meth:`from_pool`)."""
+    """Per-request acceptance estimate: the chance that a draft is accepted once the drafts
+    before it were, as accepted drafts over tested drafts, each count an exponential moving
+    average over verifications (``weight``: the tested drafts' average, in which the prior
+    counts as one tested draft). ``pooled``: an estimate over many requests' drafts of
+    the same kind, updated alongside (a new request's tracker starts from it: see
+    :meth:`from_pool`).
+
+    A ratio of averages, not an average of each verification's ratio: with ``a`` of ``n``
+    drafts accepted, a verification tested ``min(a + 1, n)`` of them, and the mean of
+    ``a / (a + 1)`` is well below the acceptance rate (for a long chain accepted at 0.5 a
+    draft, 0.31). Measured with the mean of ratios (SmolLM2, spec_bench, C=1, suffix, the
+    2-core AMX Xeon, 2026-11-30): suffix drafts after a 1-3 / 4-7 / 8+ token match were
+    accepted 0.59 / 0.72 / 0.94 of the time at their first draft and about as often at each
+    later one, while their trackers said 0.47 / 0.64 / 0.85 on average; so drafts that
+    paid were refused."""
 
     alpha: float = 0.6  # optimistic prior: the first drafts are worth trying
     decay: float = 0.7
     steps_since_probe: int = 0
     pooled: AcceptanceTracker | None = None
+    weight: float = 1.0  # moving average of tested drafts per verification
 
     @classmethod
     def from_pool(cls, pooled: AcceptanceTracker) -> AcceptanceTracker:
@@ -240,8 +267,10 @@ class AcceptanceTracker:
         # A rejection at position a says nothing about positions past a: count the drafts
         # that were actually tested (accepted ones plus the rejected one).
         tested = min(num_accepted + 1, num_drafted)
-        rate = num_accepted / tested
-        self.alpha = self.decay * self.alpha + (1 - self.decay) * rate
+        weight = self.decay * self.weight + (1 - self.decay) * tested
+        accepted = self.decay * self.alpha * self.weight + (1 - self.decay) * num_accepted
+        self.alpha, self.weight = accepted / weight, weight
+        assert 0.0 <= self.alpha <= 1.0 + 1e-9 and self.weight > 0.0, (self.alpha, self.weight)
         if self.pooled is not None:
             self.pooled.update(num_drafted, num_accepted)
 

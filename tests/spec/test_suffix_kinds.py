@@ -58,6 +58,8 @@ def test_drafts_are_scored_by_their_kinds_acceptance_and_new_requests_start_from
     first_short = spec.proposers._suffix_tree(newcomer_short)
     assert first_long is not None and first_short is not None
     pooled = POOLED_DECAY ** 10  # ten verifications of each kind moved the pools from 0.6
-    assert first_long.tracker.alpha == pytest.approx(1 - 0.4 * pooled)
+    # (accepted over tested drafts, each averaged; the prior counts as one tested draft)
+    assert first_long.tracker.alpha == pytest.approx(
+        (0.6 * pooled + 3 * (1 - pooled)) / (pooled + 3 * (1 - pooled)))
     assert first_short.tracker.alpha == pytest.approx(0.6 * pooled)
     assert first_long.tracker is not long_tracker  # per request, seeded from the pool
