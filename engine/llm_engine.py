@@ -297,6 +297,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         began = time.perf_counter()
+        drafting = self.speculator.stats.model_draft_seconds
         sched = self.scheduler.schedule()
         if sched.empty:
             return self._fail_unschedulable()
@@ -310,8 +311,7 @@ class LLMEngine:
             start = time.perf_counter()
             result = self.runner.execute(sched, self.speculator.recycler(requests),
                                          self.speculator.features_wanted(requests))
-            if self.step_cost is not None:
-                self.step_cost.observe(sched.num_tokens, time.perf_counter() - start)
+            model_seconds = time.perf_counter() - start
             if result.features is not None:
                 self.speculator.observe_features(
                     requests, [s.start_pos for s in sched.requests], result.features)
@@ -328,6 +328,12 @@ class LLMEngine:
             requests, all(s.sample and s.num_tokens == 1 + s.num_draft_tokens
                           for s in sched.requests),
             sum(len(u.new_token_ids) for u in updates), time.perf_counter() - began)
+        if self.step_cost is not None:
+            # the rest of the step but the draft model's (or head's) forwards, which the
+            # policy prices apart (draft_cost)
+            drafted = self.speculator.stats.model_draft_seconds - drafting
+            rest = time.perf_counter() - began - drafted - model_seconds
+            self.step_cost.observe(sched.num_tokens, model_seconds, rest)
         if CHECK_INVARIANTS:
             self.scheduler.check_invariants()
         return outputs

@@ -138,7 +138,18 @@ class ObservedStepCost:
     1.163x in one process, arms alternating). At C=1 a 1-row step's 32 take ~0.15 s: a busy
     spell still shows within a second.
 
-    Invariant: the observer (the engine, after each model step) is the only writer; every
+    What a step costs outside the model's forward (scheduling, proposals, outputs: 0.26 ms
+    a SmolLM2 step at C=1 without drafts, 0.56 ms with suffix drafts, on the 2-core AMX
+    Xeon, 2026-11-30) is paid once a step however many rows it has: it is observed apart
+    and its median (``overhead``) added to every size, which makes a draft row cheaper
+    relative to the step it joins (spec_bench C=1 suffix 1.211x against 1.205x without it;
+    with a constant 0.6 / 1.2 ms added, 1.230x / 1.242x against 1.219x; arms alternating
+    in one process). Not folded into each size's ratio: the steps with drafts are those
+    whose look-ups found something, which cost more than look-ups that found nothing but
+    were paid whether or not the drafts were granted (folded in, ``cost(2) / cost(1)``
+    came out 1.26 against 1.15 over the model's forward alone).
+
+    Invariant: the observer (the engine, after each step) is the only writer; every
     ratio is finite and > 0; the excess ``start-up(n) * (ratio(n) - 1)`` does not
     decrease with the observed size ``n``."""
 
@@ -158,12 +169,20 @@ class ObservedStepCost:
         self._ratios: tuple[tuple[int, ...], tuple[float, ...]] | None = None  # cache
         self._costs: dict[int, float] = {}  # cost(n) since the last observation (a plan
         # prices the same few sizes many times)
+        self._overheads: deque[float] = deque(maxlen=window)
+        self._overhead = 0.0  # their median: what a step costs besides the model's
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A model step over ``num_tokens`` query tokens took ``seconds``."""
+    def observe(self, num_tokens: int, seconds: float, overhead: float | None = None
+                ) -> None:
+        """A model step over ``num_tokens`` query tokens took ``seconds``; the rest of
+        the engine's step (scheduling, proposals, sampling's bookkeeping, outputs; not a
+        draft model's forwards) ``overhead``, if given."""
         self._step += 1
         self._ratios = None
         self._costs.clear()
+        if overhead is not None and 0.0 <= overhead < float("inf"):
+            self._overheads.append(overhead)
+            self._overhead = statistics.median(self._overheads)
         if not 1 <= num_tokens <= self.max_tokens or not seconds > 0.0:
             return
         ratio = seconds / self.base(num_tokens)
@@ -176,6 +195,11 @@ class ObservedStepCost:
             self._medians[num_tokens] = statistics.median(samples)
         self._recent.append(ratio)
         self._last_seen[num_tokens] = self._step
+
+    @property
+    def overhead(self) -> float:
+        """What a step costs besides the model's forward (median of the last ``window``)."""
+        return self._overhead
 
     def recent_ratio(self) -> float:
         """How much slower the last 64 steps ran than the start-up curve says for their sizes
@@ -219,7 +243,7 @@ class ObservedStepCost:
     def _cost(self, n: int) -> float:
         sizes, ratios = self.ratios()
         if not sizes:
-            return self.base(n)
+            return self.base(n) + self._overhead
         i = bisect.bisect_left(sizes, n)
         if i < len(sizes) and sizes[i] == n:
             ratio = ratios[i]
@@ -230,7 +254,7 @@ class ObservedStepCost:
         else:
             x0, x1 = sizes[i - 1], sizes[i]
             ratio = ratios[i - 1] + (ratios[i] - ratios[i - 1]) * (n - x0) / (x1 - x0)
-        return self.base(n) * ratio
+        return self.base(n) * ratio + self._overhead
 
 
 @dataclass

@@ -325,6 +325,7 @@ class Speculator:
                                     if r.spec_state.in_flight_source != "head"])
         seconds = time.perf_counter() - start
         self.stats.proposer_seconds += seconds
+        self.stats.model_draft_seconds += seconds
         if self.draft_cost is not None:
             self.draft_cost.observe(len(requests), depth, seconds)
 

@@ -19,6 +19,7 @@ class SpeculationStats:
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     drafted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_DEPTH)
     proposer_seconds: float = 0.0  # wall time spent choosing drafts (all proposers)
+    model_draft_seconds: float = 0.0  # of which the draft model's or head's forwards
     num_tree_steps: int = 0  # verifications of a tree (not a chain)
     num_tree_nodes: int = 0  # their drafts (tree size = num_tree_nodes / num_tree_steps)
     # per source (ngram / suffix / recycling / draft; combined counts its best source):

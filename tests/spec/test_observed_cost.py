@@ -47,6 +47,21 @@ def test_an_estimate_not_seen_for_stale_steps_is_dropped():
     assert cost(4) == pytest.approx(QUIET(4))  # tried again at the 1-row ratio
 
 
+def test_what_a_step_costs_besides_the_model_is_added_to_every_size():
+    """Scheduling, proposals and outputs are paid once a step however many rows it has: a
+    draft row costs less relative to the whole step than to the model's part of it."""
+    cost = ObservedStepCost(QUIET)
+    for overhead in (0.5, 0.5, 9.0, 0.6, 0.5):  # one slow step (a pause) barely counts
+        cost.observe(1, QUIET(1), overhead)
+    observe(cost, 4, 1.0)  # no overhead given: the median stands
+    assert [cost(n) for n in (1, 4, 9)] == pytest.approx([QUIET(n) + 0.5 for n in (1, 4, 9)])
+    policy = SpeculationPolicy(cost, max_k=4)
+    assert policy.first_draft_threshold(1, 1.0) == pytest.approx(
+        (QUIET(2) + 0.5) / (QUIET(1) + 0.5) - 1.0)
+    cost.observe(1, QUIET(1), -1.0)  # nonsense is ignored
+    assert cost(1) == pytest.approx(QUIET(1) + 0.5)
+
+
 def test_recent_ratio_is_what_metrics_show():
     cost = ObservedStepCost(QUIET)
     assert cost.recent_ratio() == 1.0
@@ -98,6 +113,7 @@ def test_the_engine_feeds_its_steps_to_the_policys_curve(tiny_model_dir):
         steps += 1
     assert cost.num_steps == steps  # one observation a model step
     assert cost.recent_ratio() > 0.0
+    assert cost.overhead > 0.0  # and what the rest of each step took
     assert cost.num_samples(8) == 1  # the prefill step's eight prompt tokens
     fixed = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32",
                                    speculation="ngram", measure_step_cost=False,
