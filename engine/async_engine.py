@@ -218,6 +218,8 @@ class AsyncLLM:
             "spec_by_source": {k: list(v) for k, v in spec.by_source.items()},
             "spec_step_cost_ratio": (self.engine.step_cost.recent_ratio()
                                      if self.engine.step_cost is not None else 0.0),
+            "spec_step_overhead_seconds": (self.engine.step_cost.overhead
+                                           if self.engine.step_cost is not None else 0.0),
             **self._suffix_stats(),
         }
 

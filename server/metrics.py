@@ -41,6 +41,11 @@ GAUGES = {  # name: (help, key of AsyncLLM.stats())
                                     "64; above 1: the machine got slower, and the speculation "
                                     "policy prices drafts accordingly; 0: not measured).",
                                     "spec_step_cost_ratio"),
+    "spec_decode_step_overhead_seconds": ("What an engine step costs besides the model's "
+                                          "forward: scheduling, proposals, outputs (median "
+                                          "of the last 32 steps; the speculation policy adds "
+                                          "it to every step size's price; 0: not measured).",
+                                          "spec_step_overhead_seconds"),
 }
 COUNTERS = {
     "num_preemptions": ("Preemptions (recompute) so far.", "num_preemptions"),

@@ -150,7 +150,7 @@ class ObservedStepCost:
     came out 1.26 against 1.15 over the model's forward alone).
 
     Invariant: the observer (the engine, after each step) is the only writer; every
-    ratio is finite and > 0; the excess ``start-up(n) * (ratio(n) - 1)`` does not
+    ratio is finite and > 0, the overhead finite and >= 0; the excess ``start-up(n) * (ratio(n) - 1)`` does not
     decrease with the observed size ``n``."""
 
     def __init__(self, base: StepCost, window: int = 32, min_samples: int = 3,
@@ -182,7 +182,7 @@ class ObservedStepCost:
         self._costs.clear()
         if overhead is not None and 0.0 <= overhead < float("inf"):
             self._overheads.append(overhead)
-            self._overhead = statistics.median(self._overheads)
+            self._overhead = statistics.median(self._overheads)  # (>= 0: each is)
         if not 1 <= num_tokens <= self.max_tokens or not seconds > 0.0:
             return
         ratio = seconds / self.base(num_tokens)

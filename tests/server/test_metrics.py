@@ -30,7 +30,7 @@ def test_loading_then_stats_and_observations():
              "spec_drafted_per_position": [4, 3], "spec_num_tree_steps": 2,
              "spec_num_tree_nodes": 14, "spec_by_source": {"recycling": [3, 12, 4]},
              "spec_step_cost_ratio": 1.25, "spec_num_skipped_lookups": 6,
-             "spec_num_unpayable_lookups": 11}
+             "spec_num_unpayable_lookups": 11, "spec_step_overhead_seconds": 0.0005}
     m.observe(Usage(10, 5, queue_time=0.01, ttft=0.1, decode_time=0.4), "stop", 0.6)
     m.observe(None, "abort", 0.2)
     got = samples(m)
@@ -43,6 +43,7 @@ def test_loading_then_stats_and_observations():
     assert got[("quickdraft:spec_decode_suffix_tenants", label)] == 2
     assert got[("quickdraft:spec_decode_suffix_cached_tokens", label)] == 300
     assert got[("quickdraft:spec_decode_step_cost_ratio", label)] == 1.25
+    assert got[("quickdraft:spec_decode_step_overhead_seconds", label)] == 0.0005
     assert got[("quickdraft:spec_decode_num_accepted_tokens_per_pos_total",
                 (("model_name", "tiny"), ("position", "1")))] == 2
     assert got[("quickdraft:spec_decode_num_drafts_per_pos_total",
