@@ -150,8 +150,8 @@ class ObservedStepCost:
     came out 1.26 against 1.15 over the model's forward alone).
 
     Invariant: the observer (the engine, after each step) is the only writer; every
-    ratio is finite and > 0, the overhead finite and >= 0; the excess ``start-up(n) * (ratio(n) - 1)`` does not
-    decrease with the observed size ``n``."""
+    ratio is finite and > 0, the overhead finite and >= 0; the excess ``start-up(n) *
+    (ratio(n) - 1)`` does not decrease with the observed size ``n``."""
 
     def __init__(self, base: StepCost, window: int = 32, min_samples: int = 3,
                  stale_steps: int = 256, max_tokens: int = 1024) -> None:
