@@ -257,29 +257,50 @@ class ObservedStepCost:
         return self.base(n) * ratio + self._overhead
 
 
+# A request's estimate starts as its kind's pooled one, which counts as POOL_STRENGTH tested
+# drafts at first and POOL_STRENGTH_DECAY times less at each of the request's verifications.
+# Drafts are granted by this estimate, so the most went where it was highest by chance: with
+# the request's own moving averages alone (SmolLM2, spec_bench, C=1, suffix, the 2-core AMX
+# Xeon, 2026-11-30) verifications granted six or more drafts expected 311 accepted and got
+# 270 after 8+-token matches, 37 and got 10 after 4-7, while single drafts expected fewer
+# than they got. Shrunk toward the pool: 1.170x -> 1.210x over off (one engine, arms
+# alternating, 4 rounds); a pool that kept its full strength, 1.141 -> 1.196, 1.177 -> 1.215,
+# 1.170 -> 1.178, but then a request whose drafts are never accepted keeps 0.6 of the pool's
+# estimate and keeps drafting; with the strength fading it falls to ~0.1 of it within 20
+# verifications.
+POOL_STRENGTH = 5.0
+POOL_STRENGTH_DECAY = 0.9
+
+
 @dataclass
 class AcceptanceTracker:
-    """Per-request acceptance estimate: the chance that a draft is accepted once the drafts
-    before it were, as accepted drafts over tested drafts, each count an exponential moving
-    average over verifications (``weight``: the tested drafts' average, in which the prior
-    counts as one tested draft). ``pooled``: an estimate over many requests' drafts of
-    the same kind, updated alongside (a new request's tracker starts from it: see
-    :meth:`from_pool`).
+    """Acceptance estimate: the chance that a draft is accepted once the drafts before it
+    were. ``pooled``: an estimate over many requests' drafts of the same kind, updated
+    alongside; a request's tracker starts from it (see :meth:`from_pool`).
 
-    A ratio of averages, not an average of each verification's ratio: with ``a`` of ``n``
-    drafts accepted, a verification tested ``min(a + 1, n)`` of them, and the mean of
+    Accepted over tested drafts, not the average of each verification's ratio: with ``a`` of
+    ``n`` drafts accepted a verification tested ``min(a + 1, n)`` of them, and the mean of
     ``a / (a + 1)`` is well below the acceptance rate (for a long chain accepted at 0.5 a
     draft, 0.31). Measured with the mean of ratios (SmolLM2, spec_bench, C=1, suffix, the
     2-core AMX Xeon, 2026-11-30): suffix drafts after a 1-3 / 4-7 / 8+ token match were
     accepted 0.59 / 0.72 / 0.94 of the time at their first draft and about as often at each
-    later one, while their trackers said 0.47 / 0.64 / 0.85 on average; so drafts that
-    paid were refused."""
+    later one, while their trackers said 0.47 / 0.64 / 0.85; so drafts that paid were
+    refused.
+
+    A pooled tracker (or one without a pool): accepted and tested drafts each a moving
+    average over verifications (``weight``: the tested drafts' average, in which the prior
+    counts as one tested draft). A request's tracker with a pool: its accepted and tested
+    drafts as decayed sums, to which the pool's estimate adds ``POOL_STRENGTH`` tested drafts
+    fading by ``POOL_STRENGTH_DECAY`` a verification (see there)."""
 
     alpha: float = 0.6  # optimistic prior: the first drafts are worth trying
     decay: float = 0.7
     steps_since_probe: int = 0
     pooled: AcceptanceTracker | None = None
-    weight: float = 1.0  # moving average of tested drafts per verification
+    weight: float = 1.0  # without a pool: moving average of tested drafts per verification
+    accepted_sum: float = 0.0  # with a pool: decayed sums of accepted and tested drafts
+    tested_sum: float = 0.0
+    num_updates: int = 0
 
     @classmethod
     def from_pool(cls, pooled: AcceptanceTracker) -> AcceptanceTracker:
@@ -291,12 +312,19 @@ class AcceptanceTracker:
         # A rejection at position a says nothing about positions past a: count the drafts
         # that were actually tested (accepted ones plus the rejected one).
         tested = min(num_accepted + 1, num_drafted)
-        weight = self.decay * self.weight + (1 - self.decay) * tested
-        accepted = self.decay * self.alpha * self.weight + (1 - self.decay) * num_accepted
-        self.alpha, self.weight = accepted / weight, weight
-        assert 0.0 <= self.alpha <= 1.0 + 1e-9 and self.weight > 0.0, (self.alpha, self.weight)
-        if self.pooled is not None:
+        self.num_updates += 1
+        if self.pooled is None:
+            weight = self.decay * self.weight + (1 - self.decay) * tested
+            accepted = self.decay * self.alpha * self.weight + (1 - self.decay) * num_accepted
+            self.alpha, self.weight = accepted / weight, weight
+        else:
             self.pooled.update(num_drafted, num_accepted)
+            self.accepted_sum = self.decay * self.accepted_sum + num_accepted
+            self.tested_sum = self.decay * self.tested_sum + tested  # >= 1 from here on
+            strength = POOL_STRENGTH * POOL_STRENGTH_DECAY ** self.num_updates
+            self.alpha = (self.accepted_sum + strength * self.pooled.alpha) \
+                / (self.tested_sum + strength)
+        assert 0.0 <= self.alpha <= 1.0 + 1e-9, (self.alpha, num_drafted, num_accepted)
 
 
 @dataclass

@@ -7,6 +7,8 @@ import random
 import pytest
 
 from quickdraft.spec.policy import (
+    POOL_STRENGTH,
+    POOL_STRENGTH_DECAY,
     AcceptanceTracker,
     SpeculationPolicy,
     StepCost,
@@ -156,15 +158,34 @@ def test_a_pooled_estimate_follows_every_request_and_seeds_new_ones():
     first = AcceptanceTracker.from_pool(pool)
     assert first.alpha == 0.6 and first.pooled is pool
     first.update(num_drafted=4, num_accepted=4)  # the request's own estimate and the pool's
-    # accepted over tested, each averaged; the prior counts as one tested draft
-    assert pool.alpha == pytest.approx((0.5 * 0.6 + 0.5 * 4) / (0.5 + 0.5 * 4))
-    assert first.alpha == pytest.approx((0.7 * 0.6 + 0.3 * 4) / (0.7 + 0.3 * 4))
+    # the pool: accepted over tested, each averaged; the prior counts as one tested draft
+    assert pool.alpha == pytest.approx((0.5 * 0.6 + 0.5 * 4) / (0.5 + 0.5 * 4))  # 0.92
+    # the request: its sums, with the pool's estimate counting POOL_STRENGTH * decay drafts
+    strength = POOL_STRENGTH * POOL_STRENGTH_DECAY
+    assert first.alpha == pytest.approx((4 + strength * 0.92) / (4 + strength))
     second = AcceptanceTracker.from_pool(pool)  # a later request starts where the pool is
     assert second.alpha == pytest.approx(0.92)
     second.update(num_drafted=2, num_accepted=0)
-    assert second.alpha == pytest.approx(0.7 * 0.92)
-    assert pool.alpha == pytest.approx(0.5 * 0.92 * 2.5 / (0.5 * 2.5 + 0.5 * 1))
-    assert first.alpha == pytest.approx(1.62 / 1.9)  # not touched by the second request
+    pooled = 0.5 * 0.92 * 2.5 / (0.5 * 2.5 + 0.5 * 1)
+    assert pool.alpha == pytest.approx(pooled)
+    assert second.alpha == pytest.approx(strength * pooled / (1 + strength))
+    assert first.alpha == pytest.approx((4 + strength * 0.92) / (4 + strength))  # untouched
+
+
+def test_a_requests_estimate_is_shrunk_toward_the_pool_then_its_own():
+    """Early on a request's lucky chains count for less (drafts go where the estimate is
+    high, by chance too); a request whose drafts are never accepted still stops drafting."""
+    pool = AcceptanceTracker(alpha=0.5, decay=1.0)  # a pool that does not move
+    lucky = AcceptanceTracker.from_pool(pool)
+    lucky.update(num_drafted=3, num_accepted=3)
+    strength = POOL_STRENGTH * POOL_STRENGTH_DECAY
+    assert lucky.alpha == pytest.approx((3 + strength * 0.5) / (3 + strength))  # not 1.0
+    assert lucky.alpha < 0.75
+    never = AcceptanceTracker.from_pool(pool)
+    for _ in range(20):
+        never.update(num_drafted=2, num_accepted=0)
+    assert pool.alpha == pytest.approx(0.5)
+    assert never.alpha < 0.1  # the pool's strength has faded: its own zeros decide
 
 
 @pytest.mark.parametrize("rate", [0.3, 0.6, 0.9])

@@ -29,6 +29,9 @@ def test_match_kinds():
         "suffix/8+"]
 
 
+ROUNDS = 30
+
+
 def test_drafts_are_scored_by_their_kinds_acceptance_and_new_requests_start_from_the_pool():
     spec = Speculator("suffix", max_k=4, ngram_min=2, ngram_max=4, policy=SpeculationPolicy())
     if spec.suffix is None:
@@ -44,7 +47,8 @@ def test_drafts_are_scored_by_their_kinds_acceptance_and_new_requests_start_from
     assert short_draft.tracker is short_req.spec_state.trackers["suffix/1-3"]
     assert long_draft.source == short_draft.source == "suffix"  # (credited to the source)
     # long matches keep being accepted, short ones rejected: the chains' scores follow
-    for _ in range(10):
+    # (once the pool's say in the requests' estimates has faded: spec.policy.POOL_STRENGTH)
+    for _ in range(ROUNDS):
         long_tracker.update(num_drafted=3, num_accepted=3)
         short_draft.tracker.update(num_drafted=3, num_accepted=0)
     proposers = spec.proposers
@@ -57,7 +61,7 @@ def test_drafts_are_scored_by_their_kinds_acceptance_and_new_requests_start_from
     first_long = spec.proposers._suffix_tree(newcomer_long)
     first_short = spec.proposers._suffix_tree(newcomer_short)
     assert first_long is not None and first_short is not None
-    pooled = POOLED_DECAY ** 10  # ten verifications of each kind moved the pools from 0.6
+    pooled = POOLED_DECAY ** ROUNDS  # the verifications of each kind moved the pools from 0.6
     # (accepted over tested drafts, each averaged; the prior counts as one tested draft)
     assert first_long.tracker.alpha == pytest.approx(
         (0.6 * pooled + 3 * (1 - pooled)) / (pooled + 3 * (1 - pooled)))
