@@ -25,7 +25,7 @@ from spec_bench import load_prompts, run_category  # type: ignore[import-not-fou
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
 from quickdraft.engine.sampling_params import SamplingParams
-from quickdraft.spec.policy import ObservedStepCost
+from quickdraft.spec.step_cost import ObservedStepCost
 
 RESULTS = Path(__file__).with_name("results")
 

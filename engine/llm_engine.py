@@ -33,9 +33,10 @@ from quickdraft.spec.draft_head import SHIPPED_HEADS, find_head, model_fingerpri
 from quickdraft.spec.draft_head_runner import DraftHeadRunner
 from quickdraft.spec.draft_model import DraftModelRunner, check_same_vocabulary
 from quickdraft.spec.params import SpeculationParams
-from quickdraft.spec.policy import ObservedStepCost, SpeculationPolicy, StepCost, measure_step_cost
+from quickdraft.spec.policy import SpeculationPolicy
 from quickdraft.spec.speculator import HEAD_NODES_PER_DRAFT, Speculator
 from quickdraft.spec.speed_guard import SpeedGuardConfig
+from quickdraft.spec.step_cost import ObservedStepCost, StepCost, measure_step_cost
 from quickdraft.spec.suffix_corpus import find_corpus
 
 log = logging.getLogger(__name__)

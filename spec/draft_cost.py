@@ -8,7 +8,7 @@ since the request's last proposal. On the 2-core AVX2-only Zen 4 (2026-11-29, Sm
 shipped head) a head proposal timed 0.36-0.41 ms at start-up took 0.70-0.85 ms after one new
 position, 1.1-1.4 ms after 2-8 and 3-4 ms after an idle spell (docs/benchmarks.md, session
 52): priced at the start-up figure, the head drafted where it lost. The target's rows were
-already priced from observed steps (:class:`spec.policy.ObservedStepCost`); this does the
+already priced from observed steps (:class:`spec.step_cost.ObservedStepCost`); this does the
 same for the proposals.
 
 The policy prices ``depth`` drafts for ``batch`` requests at ``depth * per_draft(batch) +
@@ -31,7 +31,7 @@ import math
 import statistics
 from collections import deque
 
-from quickdraft.spec.policy import StepCost
+from quickdraft.spec.step_cost import StepCost
 
 __all__ = ["ObservedDraftCost"]
 

@@ -136,7 +136,7 @@ def test_a_model_chain_that_does_not_pay_falls_back_to_the_free_tree():
     """combined keeps the suffix tree beside a better-expected model chain; when drafting
     with the model costs more than it returns this step, the tree is verified instead of
     nothing."""
-    from quickdraft.spec.policy import StepCost
+    from quickdraft.spec.step_cost import StepCost
 
     spec, request = make()
     spec.proposers.tracker(request, "draft").alpha = 0.99

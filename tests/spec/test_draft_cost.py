@@ -7,7 +7,8 @@ import math
 import pytest
 
 from quickdraft.spec.draft_cost import ObservedDraftCost
-from quickdraft.spec.policy import SpeculationPolicy, StepCost
+from quickdraft.spec.policy import SpeculationPolicy
+from quickdraft.spec.step_cost import StepCost
 
 PER_DRAFT = StepCost((1, 2), (0.001, 0.0015))  # seconds a draft, by batch
 FIXED = StepCost((1, 2), (0.0005, 0.0008))

@@ -16,7 +16,7 @@ from quickdraft.engine.llm_engine import InvalidRequestError, LLMEngine
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec.draft_head_train import TrainConfig, run
 from quickdraft.spec.params import SpeculationParams
-from quickdraft.spec.policy import StepCost
+from quickdraft.spec.step_cost import StepCost
 from tests.conftest import make_tiny_model
 from tests.spec.test_spec_engine import GREEDY, PROMPTS, run_staggered
 

@@ -1,10 +1,11 @@
-"""The start-up cost curve corrected by observed step times (spec.policy.ObservedStepCost)."""
+"""The start-up cost curve corrected by observed step times (spec.step_cost.ObservedStepCost)."""
 
 from __future__ import annotations
 
 import pytest
 
-from quickdraft.spec.policy import ObservedStepCost, SpeculationPolicy, StepCost
+from quickdraft.spec.policy import SpeculationPolicy
+from quickdraft.spec.step_cost import ObservedStepCost, StepCost
 
 QUIET = StepCost((1, 2, 4, 8), (6.0, 6.4, 7.1, 10.9))  # ms, the quiet machine's curve
 

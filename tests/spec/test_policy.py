@@ -11,10 +11,9 @@ from quickdraft.spec.policy import (
     POOL_STRENGTH_DECAY,
     AcceptanceTracker,
     SpeculationPolicy,
-    StepCost,
     expected_accepted,
-    measure_step_cost,
 )
+from quickdraft.spec.step_cost import StepCost, measure_step_cost
 
 
 def test_step_cost_interpolates_and_extrapolates():

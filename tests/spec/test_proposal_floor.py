@@ -9,8 +9,9 @@ import pytest
 from quickdraft.engine.request import Request
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec import suffix_tree
-from quickdraft.spec.policy import SpeculationPolicy, StepCost
+from quickdraft.spec.policy import SpeculationPolicy
 from quickdraft.spec.speculator import Speculator
+from quickdraft.spec.step_cost import StepCost
 
 # a repeated phrase: the suffix trie finds the continuation
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 1, 2, 5, 6, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7]
