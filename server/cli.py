@@ -113,7 +113,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "shipped for --model, else the shipped one's text re-tokenized for it "
                    "(once, cached); a directory: one for --model, or another model's with "
                    "its text; none: only the request's and its tenant's text")
-    g.add_argument("--num-speculative-tokens", type=int, default=4,
+    g.add_argument("--num-speculative-tokens", type=int, default=8,
                    help="most draft tokens per step (the policy may use fewer)")
     g.add_argument("--no-speed-guard", dest="speed_guard", action="store_false",
                    help="do not check speculation's realised speed against plain decoding "
