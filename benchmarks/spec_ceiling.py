@@ -24,8 +24,12 @@ time a step, less the curve's 1-row forward): ``ceiling speed-up`` = off's decod
 the clairvoyant's. ``tokens / step`` is the ceiling with free verification rows. A
 ``--compare`` spec_bench JSON adds its measured C=1 speed-ups (decode phase) beside them.
 
-    python benchmarks/spec_ceiling.py [--max-tokens 128] [--max-draft 16] [--min-match 2]
-        [--corpus-min-match 4] [--compare benchmarks/results/spec_bench_X.json] [--tag TAG]
+    python benchmarks/spec_ceiling.py [--model M] [--max-tokens 128] [--max-draft 16]
+        [--min-match 2] [--corpus-min-match 4] [--compare benchmarks/results/spec_bench_X.json]
+        [--tag TAG]
+
+A target without a corpus of its own answers (one drafting from the shipped text
+re-tokenized, e.g. Qwen2.5-Coder-1.5B) gets the ``context`` column only.
 
 writes ``benchmarks/results/spec_ceiling[_TAG].{json,png}`` and prints a markdown table.
 """
@@ -162,6 +166,7 @@ def ceiling(steps: Sequence[int], forward_s: Sequence[float], other_s: float
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="as spec_bench's (default: SmolLM2)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-draft", type=int, default=16)
     p.add_argument("--min-match", type=int, default=2)
@@ -192,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = machine_info()
     print(f"machine: {machine_summary(info)}", file=sys.stderr)
-    bench = spec_bench.parse_args(["--methods", "off,suffix", "--concurrency", "1"])
+    bench = spec_bench.parse_args(["--methods", "off,suffix", "--concurrency", "1"]
+                                  + (["--model", args.model] if args.model else []))
     engine, _ = spec_bench.build_engine(bench)
     corpus = load_corpus(engine, args.corpus_min_match)
     cost = engine.speculator.policy.cost
