@@ -42,19 +42,24 @@ POOLED_DECAY = 0.95
 _KIND_SHORTEST = ((1, "1-3"), (4, "4-7"), (8, "8+"))
 _SUFFIX_KINDS = tuple((shortest, f"suffix/{kind}") for shortest, kind in _KIND_SHORTEST)
 _CORPUS_KINDS = tuple(f"corpus/{kind}" for _, kind in _KIND_SHORTEST)
+RUN = "+run"  # a kind's variant after a fully accepted verification (match_kind)
 
 
-def match_kind(match_len: int, public: bool = False) -> str:
+def match_kind(match_len: int, public: bool = False, after_full: bool = False) -> str:
     """What a suffix draft's acceptance is tracked as: by how long a context suffix it
-    continues, and whether it came from the public corpus ("corpus/…"; its drafts after a
-    short match are accepted less often than the request's own). On SmolLM2 spec_bench (C=1,
-    2026-11-25, 2-core AVX512-BF16 EPYC) drafts after a 2-token match gained 0.6-1.3 tokens
-    a verification, after 8 or more 2.1-4.4."""
+    continues, whether it came from the public corpus ("corpus/…"; its drafts after a
+    short match are accepted less often than the request's own), and whether the request's
+    last verification accepted all its drafts ("…+run": a copy run under way). On SmolLM2
+    spec_bench (C=1, 2026-11-25, 2-core AVX512-BF16 EPYC) drafts after a 2-token match
+    gained 0.6-1.3 tokens a verification, after 8 or more 2.1-4.4. After a fully accepted
+    verification the next drafts were accepted 0.72 / 0.75 / 0.84 at depths 1 / 2 / 3,
+    otherwise 0.52 / 0.55 / 0.77 (2026-11-30, 2-core AMX Xeon, every C=1 drafting step of
+    two passes): that difference the match length alone did not carry."""
     kind = _KIND_SHORTEST[0][1]
     for shortest, name in _KIND_SHORTEST:
         if match_len >= shortest:
             kind = name
-    return f"{'corpus' if public else 'suffix'}/{kind}"
+    return f"{'corpus' if public else 'suffix'}/{kind}{RUN if after_full else ''}"
 
 
 @dataclass
@@ -170,7 +175,7 @@ class Proposers:
             return None
         # acceptance is tracked per match length: a draft continuing a long matched suffix
         # is accepted far more often than one after a 2-token match (see match_kind)
-        kind = match_kind(draft.match_len, draft.public)
+        kind = match_kind(draft.match_len, draft.public, state.after_full)
         tracker = self.tracker(request, kind)
         if tracker.alpha <= min_gain:  # (every node's score is at most alpha)
             return None
@@ -198,11 +203,12 @@ class Proposers:
         assert self.suffix is not None
         bound = self.suffix.match_bound(request)
         min_match = self.suffix.config.min_match_len
-        if any(self._alpha(request, kind) > min_gain for shortest, kind in _SUFFIX_KINDS
+        run = RUN if request.spec_state.after_full else ""
+        if any(self._alpha(request, kind + run) > min_gain for shortest, kind in _SUFFIX_KINDS
                if bound is None or max(shortest, min_match) <= bound):
             return True
         return public and self.suffix.corpus is not None and any(
-            self._alpha(request, kind) > min_gain for kind in _CORPUS_KINDS)
+            self._alpha(request, kind + run) > min_gain for kind in _CORPUS_KINDS)
 
     def _alpha(self, request: Request, kind: str) -> float:
         """:meth:`tracker`'s ``alpha`` for ``kind``, without making a tracker or a pool."""

@@ -417,6 +417,7 @@ class Speculator:
         source, state.in_flight_source = state.in_flight_source or "given", ""
         # the draft model's cache holds real tokens only up to the verified ones
         state.draft_cache_valid = min(state.draft_cache_valid, request.num_computed_tokens)
+        state.after_full = num_drafted > 0 and num_accepted >= depth
         if num_drafted == 0:
             return
         if tracker is not None:  # a tree's acceptance is its path's, tested depth-wise

@@ -97,6 +97,9 @@ class RequestSpecState:
     # last accepted draft, and chances to ask it still to let pass
     corpus_idle: int = 0
     corpus_to_skip: int = 0
+    # the request's last verification accepted every draft along the path it tested (a copy
+    # run under way): its suffix drafts are tracked as their own kinds (proposals.match_kind)
+    after_full: bool = False
     num_head_features: int = 0  # rows in head_feature_chunks, counted as they come: summed
     # on every add, a request's cost grew with its steps (chunks pile up while the head
     # does not draft, e.g. at C=8)
@@ -133,6 +136,7 @@ class RequestSpecState:
         self.head_valid = 0
         self.drop_features(0)
         self.idle_lookups = self.lookups_to_skip = 0
+        self.after_full = False
 
     def head_features(self) -> torch.Tensor | None:
         """The kept features ``[m, 3h]`` (positions from ``head_features_start``), or None."""

@@ -29,6 +29,32 @@ def test_match_kinds():
         "suffix/8+"]
 
 
+def test_a_copy_run_under_way_is_its_own_kind():
+    assert match_kind(2, after_full=True) == "suffix/1-3+run"
+    assert match_kind(9, public=True, after_full=True) == "corpus/8++run"
+
+
+def test_a_fully_accepted_verification_makes_the_next_drafts_run_kinds():
+    spec = Speculator("suffix", max_k=4, ngram_min=2, ngram_max=4, policy=SpeculationPolicy())
+    if spec.suffix is None:
+        pytest.skip("the suffix trie needs gcc")
+    req = request("a", LONG)
+    state = req.spec_state
+    assert spec.proposers._suffix_tree(req).tracker is state.trackers["suffix/8+"]
+    state.in_flight_depth = 3
+    spec.record(req, num_drafted=3, num_accepted=3)  # every draft accepted: a run
+    assert state.after_full
+    assert spec.proposers._suffix_tree(req).tracker is state.trackers["suffix/8++run"]
+    state.in_flight_depth = 3
+    spec.record(req, num_drafted=3, num_accepted=2)
+    assert not state.after_full
+    spec.record(req, num_drafted=0, num_accepted=0)  # a step without drafts ends a run too
+    assert not state.after_full
+    state.after_full = True
+    state.on_preempt()
+    assert not state.after_full
+
+
 ROUNDS = 30
 
 
