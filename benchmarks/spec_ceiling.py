@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                 corpus if source != "context" else None)]
             per_step, seconds = ceiling(steps, forward_s, other_s)
             row[source] = {"tokens_per_step": per_step,
-                           "speedup": len(steps) and decode_steps * (forward_s[0] + other_s)
-                           / seconds,
+                           "speedup": decode_steps * (forward_s[0] + other_s) / seconds
+                           if seconds > 0 else 1.0,  # (no decoding step: nothing to gain)
                            "accepted_histogram": np.bincount(
                                steps, minlength=args.max_draft + 1).tolist()}
         rows.append(row)
