@@ -28,10 +28,9 @@ the clairvoyant's. ``tokens / step`` is the ceiling with free verification rows.
         [--min-match 2] [--corpus-min-match 4] [--compare benchmarks/results/spec_bench_X.json]
         [--tag TAG]
 
-A target without a corpus of its own answers (one drafting from the shipped text
+writes ``benchmarks/results/spec_ceiling[_TAG].{json,png}`` and prints a markdown table. A
+target without a corpus of its own answers (one drafting from the shipped text
 re-tokenized, e.g. Qwen2.5-Coder-1.5B) gets the ``context`` column only.
-
-writes ``benchmarks/results/spec_ceiling[_TAG].{json,png}`` and prints a markdown table.
 """
 
 from __future__ import annotations
