@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -182,14 +182,10 @@ def load_corpus(engine: Any, min_match: int) -> CorpusIndex | None:
     """The shipped corpus of this target's own answers (None: it has none; a corpus derived
     from another target's text is not replayed)."""
     from quickdraft.spec.draft_head import SHIPPED_HEADS, model_fingerprint
-    from quickdraft.spec.suffix_corpus import CORPUS_CONFIG, read_tokens, tokens_file
+    from quickdraft.spec.suffix_corpus import own_corpus_dir, read_tokens, tokens_file
 
-    fingerprint = model_fingerprint(Path(engine.info.model_dir))
-    for config in sorted(SHIPPED_HEADS.glob(f"*/{CORPUS_CONFIG}")):
-        if json.loads(config.read_text()).get("target_fingerprint") == fingerprint:
-            tokens = read_tokens(tokens_file(config.parent))
-            return CorpusIndex(tokens, min_match)
-    return None
+    own = own_corpus_dir(model_fingerprint(Path(engine.info.model_dir)), SHIPPED_HEADS)
+    return CorpusIndex(read_tokens(tokens_file(own)), min_match) if own is not None else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -257,19 +253,15 @@ def compare(path: Path, method: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def geomean(values: Sequence[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
 def report(args: argparse.Namespace, info: dict[str, Any], rows: list[dict[str, Any]],
            forward_s: list[float]) -> None:
     sources = [s for s in SOURCES if all(s in r for r in rows)]
     overall: dict[str, Any] = {"category": "geomean"}
     for s in sources:
-        overall[s] = {k: geomean([r[s][k] for r in rows])
+        overall[s] = {k: statistics.geometric_mean([r[s][k] for r in rows])
                       for k in ("tokens_per_step", "speedup")}
     if all(r["measured"] for r in rows):
-        overall["measured"] = {k: geomean([r["measured"][k] for r in rows])
+        overall["measured"] = {k: statistics.geometric_mean([r["measured"][k] for r in rows])
                                for k in ("decode_speedup", "tokens_per_request_step")}
     else:
         overall["measured"] = None

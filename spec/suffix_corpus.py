@@ -302,11 +302,11 @@ def find_corpus(setting: str | None, fingerprint: str, shipped: Path,
     if setting is None or setting == "none" or not available():
         return None
     if setting == "auto":
+        own = own_corpus_dir(fingerprint, shipped)
+        if own is not None:
+            return load_corpus(own)
         dirs = [path.parent.resolve() for path in sorted(shipped.glob(f"*/{CORPUS_CONFIG}"))]
-        own = [d for d in dirs if _target_of(d) == fingerprint]
         texts = [d for d in dirs if (d / TEXT_FILE).is_file()]
-        if own:
-            return load_corpus(own[0])
         if texts and tokenize is not None and cache is not None:
             return load_corpus(derive_corpus(texts[0], tokenize, fingerprint, cache,
                                               vocab_size))
@@ -317,6 +317,15 @@ def find_corpus(setting: str | None, fingerprint: str, shipped: Path,
         return load_corpus(derive_corpus(directory, tokenize, fingerprint, cache, vocab_size))
     check_corpus_target(directory, fingerprint)
     return load_corpus(directory)
+
+
+def own_corpus_dir(fingerprint: str, shipped: Path) -> Path | None:
+    """The directory under ``shipped`` holding a corpus of this target's own answers (the
+    target of ``fingerprint``), or None."""
+    for config in sorted(shipped.glob(f"*/{CORPUS_CONFIG}")):
+        if _target_of(config.parent) == fingerprint:
+            return config.parent.resolve()
+    return None
 
 
 def _target_of(directory: Path) -> str | None:
