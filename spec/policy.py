@@ -104,6 +104,23 @@ class AcceptanceTracker:
         assert 0.0 <= self.alpha <= 1.0 + 1e-9, (self.alpha, num_drafted, num_accepted)
 
 
+def update_by_depth(segments: Sequence[tuple[int, AcceptanceTracker]], depth: int,
+                    num_accepted: int) -> None:
+    """Account one verification whose drafts at depths ``start..`` (1-based, up to the next
+    segment's start) are tracked by each segment's tracker: ``depth`` drafts along the path
+    tested, the first ``num_accepted`` accepted. A segment is tested only if every draft
+    before it was accepted; each gets its own drafts and accepted count, so that its
+    ``alpha`` is the chance a draft at those depths is accepted once the ones before it
+    were. ``segments`` start at depth 1 and go deeper."""
+    assert segments and segments[0][0] == 1, segments
+    for n, (start, tracker) in enumerate(segments):
+        if start > depth or num_accepted < start - 1:
+            break
+        end = segments[n + 1][0] - 1 if n + 1 < len(segments) else depth
+        drafted = min(end, depth) - start + 1
+        tracker.update(drafted, min(num_accepted - (start - 1), drafted))
+
+
 @dataclass
 class SpeculationPolicy:
     """``cost``: the target's step time by query tokens; ``draft_cost``: one draft-model

@@ -30,7 +30,7 @@ from quickdraft.spec.draft_cost import ObservedDraftCost
 from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
 from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
 from quickdraft.spec.params import SpeculationParams
-from quickdraft.spec.policy import SpeculationPolicy
+from quickdraft.spec.policy import SpeculationPolicy, update_by_depth
 from quickdraft.spec.proposals import MAX_TREE_NODES, Candidate, Proposers
 from quickdraft.spec.recycling import RecyclingProposer
 from quickdraft.spec.speed_guard import SpeedGuard, SpeedGuardConfig
@@ -258,7 +258,7 @@ class Speculator:
             budget -= k
             c.tracker.steps_since_probe = 0
             state = c.request.spec_state
-            state.verifying = c.tracker
+            state.verifying = c.trackers_by_depth
             state.in_flight_source = c.source
             state.num_planned_steps += 1
             if c.tree is None:  # the draft model's chain, or the head's tree
@@ -412,7 +412,7 @@ class Speculator:
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """Account one verification of ``num_drafted`` drafts for ``request``."""
         state = request.spec_state
-        tracker, state.verifying = state.verifying, None
+        trackers, state.verifying = state.verifying, None
         depth, state.in_flight_depth = state.in_flight_depth or num_drafted, 0
         source, state.in_flight_source = state.in_flight_source or "given", ""
         # the draft model's cache holds real tokens only up to the verified ones
@@ -420,8 +420,8 @@ class Speculator:
         state.after_full = num_drafted > 0 and num_accepted >= depth
         if num_drafted == 0:
             return
-        if tracker is not None:  # a tree's acceptance is its path's, tested depth-wise
-            tracker.update(depth, num_accepted)
+        if trackers is not None:  # a tree's acceptance is its path's, tested depth-wise
+            update_by_depth(trackers, depth, num_accepted)
         if source == "corpus" and num_accepted:  # the corpus pays here: ask it every time
             state.corpus_idle = state.corpus_to_skip = 0
         request.num_spec_steps += 1

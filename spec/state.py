@@ -77,7 +77,8 @@ def prior(source: str) -> float:
 @dataclass
 class RequestSpecState:
     trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)  # by source
-    verifying: AcceptanceTracker | None = None  # the tracker of the drafts in flight
+    # the trackers of the drafts in flight: (first depth, tracker), from depth 1
+    verifying: tuple[tuple[int, AcceptanceTracker], ...] | None = None
     model_k: int = 0  # drafts the draft model owes this step (slots already reserved)
     in_flight_depth: int = 0  # depth of the drafts in flight (a chain's length)
     in_flight_source: str = ""  # the source their acceptance is credited to

@@ -12,6 +12,7 @@ from quickdraft.spec.policy import (
     AcceptanceTracker,
     SpeculationPolicy,
     expected_accepted,
+    update_by_depth,
 )
 from quickdraft.spec.step_cost import StepCost, measure_step_cost
 
@@ -119,6 +120,45 @@ def test_tracker_counts_only_tested_drafts():
     assert t.alpha == pytest.approx(1.0)
     t.update(num_drafted=3, num_accepted=0)
     assert t.alpha == pytest.approx(0.0)
+
+
+class _Counting(AcceptanceTracker):
+    """Records what it was told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[tuple[int, int]] = []
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        self.told.append((num_drafted, num_accepted))
+
+
+@pytest.mark.parametrize(("depth", "accepted", "first", "second", "third"), [
+    (5, 0, [(2, 0)], [], []),  # rejected at depth 1: nothing deeper was tested
+    (5, 1, [(2, 1)], [], []),  # rejected at depth 2
+    (5, 2, [(2, 2)], [(3, 0)], []),  # rejected at depth 3, the second tracker's first
+    (5, 4, [(2, 2)], [(3, 2)], []),
+    (6, 6, [(2, 2)], [(3, 3)], [(1, 1)]),  # all accepted
+    (2, 2, [(2, 2)], [], []),  # shallower than the second tracker's first depth
+    (4, 3, [(2, 2)], [(2, 1)], []),  # the second tracker's drafts end at the path's depth
+])
+def test_a_verification_is_split_across_the_depths_trackers(depth, accepted, first, second,
+                                                            third):
+    a, b, c = _Counting(), _Counting(), _Counting()
+    update_by_depth([(1, a), (3, b), (6, c)], depth, accepted)
+    assert (a.told, b.told, c.told) == (first, second, third)
+    # tested drafts (accepted ones and the rejected one) add up to the path's
+    tested = sum(min(n_acc + 1, n) for t in (a, b, c) for n, n_acc in t.told)
+    assert tested == min(accepted + 1, depth)
+    assert sum(n_acc for t in (a, b, c) for _, n_acc in t.told) == accepted
+
+
+def test_one_tracker_for_every_depth_is_a_plain_update():
+    split, plain = AcceptanceTracker(alpha=0.5), AcceptanceTracker(alpha=0.5)
+    for depth, accepted in ((4, 1), (3, 3), (6, 0), (2, 1)):
+        update_by_depth([(1, split)], depth, accepted)
+        plain.update(depth, accepted)
+    assert split == plain
 
 
 def test_background_requests_lose_drafts_first_when_the_batch_is_saturated():

@@ -93,3 +93,36 @@ def test_drafts_are_scored_by_their_kinds_acceptance_and_new_requests_start_from
         (0.6 * pooled + 3 * (1 - pooled)) / (pooled + 3 * (1 - pooled)))
     assert first_short.tracker.alpha == pytest.approx(0.6 * pooled)
     assert first_long.tracker is not long_tracker  # per request, seeded from the pool
+
+
+def test_deeper_drafts_are_scored_and_credited_by_the_longer_match_they_extend():
+    """SHORT's draft continues a 2-token match: its drafts at depths 1-2 extend a 2-3 token
+    match ("1-3"), at 3-6 a 4-7 token one, from 7 an 8+ one; each depth's kind's alpha
+    scores it, and a verification credits each kind with its own depths' outcome."""
+    spec = Speculator("suffix", max_k=8, ngram_min=2, ngram_max=4, policy=SpeculationPolicy())
+    if spec.suffix is None:
+        pytest.skip("the suffix trie needs gcc")
+    req = request("a", SHORT)
+    trackers = req.spec_state.trackers
+    proposers = spec.proposers
+    first = proposers._suffix_tree(req)
+    assert first is not None and first.tree is not None
+    assert first.tree.token_ids == (22, 23, 30, 31, 32, 20, 21)
+    for kind, alpha in (("suffix/1-3", 0.5), ("suffix/4-7", 0.8), ("suffix/8+", 0.9)):
+        trackers[kind].alpha = alpha
+    draft = proposers._suffix_tree(req)
+    assert draft is not None
+    assert draft.trackers_by_depth == ((1, trackers["suffix/1-3"]),
+                                       (3, trackers["suffix/4-7"]),
+                                       (7, trackers["suffix/8+"]))
+    assert draft.scores == pytest.approx([0.5, 0.25, 0.2, 0.16, 0.128, 0.1024, 0.09216])
+    updates = {kind: trackers[kind].num_updates for kind in trackers}
+    req.spec_state.verifying = draft.trackers_by_depth
+    req.spec_state.in_flight_depth = 5
+    spec.record(req, num_drafted=5, num_accepted=3)
+    assert {kind: trackers[kind].num_updates - updates[kind] for kind in trackers} == {
+        "suffix/1-3": 1, "suffix/4-7": 1, "suffix/8+": 0}
+    assert trackers["suffix/1-3"].alpha > 0.5  # its two drafts were accepted
+    # a long match's drafts are all of its own kind
+    long_draft = proposers._suffix_tree(request("b", LONG))
+    assert long_draft is not None and long_draft.deeper == ()
