@@ -42,6 +42,7 @@ from quickdraft.spec.suffix_corpus import find_corpus
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 COST_CONTEXT = 256  # cached positions before the timed tokens of the step-cost curve
+STEP_COST_REFRESH_STEPS = 8  # observed steps between re-pricings (spec.step_cost)
 
 
 class InvalidRequestError(InvalidParameterError):
@@ -108,7 +109,7 @@ class LLMEngine:
         step_cost = self._step_cost()
         # a measured curve is corrected by the steps' real times while serving (a busy
         # neighbour makes rows dearer); the default curve of an unmeasured engine stays fixed
-        self.step_cost = ObservedStepCost(step_cost) \
+        self.step_cost = ObservedStepCost(step_cost, refresh_steps=STEP_COST_REFRESH_STEPS) \
             if config.measure_step_cost and config.speculation != "off" else None
         policy = SpeculationPolicy(
             self.step_cost or step_cost, config.num_speculative_tokens,

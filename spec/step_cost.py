@@ -125,25 +125,36 @@ class ObservedStepCost:
     were paid whether or not the drafts were granted (folded in, ``cost(2) / cost(1)``
     came out 1.26 against 1.15 over the model's forward alone).
 
+    Refreshed every ``refresh_steps`` observations, not after each: recomputing the
+    medians, the floor and the cached prices after every step cost the plan ~45 us a step
+    (``observe`` 21 us, the first price of a plan 27 us, SmolLM2 at C=1 on the 2-core
+    AVX512-BF16 Zen 4 EPYC, 2026-11-30: Python's state is cold after a model step); the
+    engine refreshes every 8 steps (~30 ms at C=1), well inside a window of 32.
+
     Invariant: the observer (the engine, after each step) is the only writer; every
     ratio is finite and > 0, the overhead finite and >= 0; the excess ``start-up(n) *
     (ratio(n) - 1)`` does not decrease with the observed size ``n``."""
 
     def __init__(self, base: StepCost, window: int = 32, min_samples: int = 3,
-                 stale_steps: int = 256, max_tokens: int = 1024) -> None:
+                 stale_steps: int = 256, max_tokens: int = 1024,
+                 refresh_steps: int = 1) -> None:
+        if refresh_steps < 1:
+            raise ValueError("refresh_steps must be at least 1")
         self.base = base
         self.window, self.min_samples = window, min_samples
         self.stale_steps, self.max_tokens = stale_steps, max_tokens
+        self.refresh_steps = refresh_steps
         self._samples: dict[int, deque[float]] = {}
-        # the median of each size's samples once it has min_samples (kept as they come: a
-        # plan after every step recomputing every size's median cost ~35 us of the ~300 us
-        # a suffix plan takes at C=1 on the 2-core AVX2-only Zen 3)
+        # the median of each size's samples once it has min_samples, recomputed at a
+        # refresh for the sizes observed since the last one (``_dirty``)
         self._medians: dict[int, float] = {}
+        self._dirty: set[int] = set()
+        self._refreshed_at = 0  # the observation count at the last refresh
         self._recent: deque[float] = deque(maxlen=64)  # every size's ratios, for /metrics
         self._last_seen: dict[int, int] = {}
         self._step = 0
         self._ratios: tuple[tuple[int, ...], tuple[float, ...]] | None = None  # cache
-        self._costs: dict[int, float] = {}  # cost(n) since the last observation (a plan
+        self._costs: dict[int, float] = {}  # cost(n) since the last refresh (a plan
         # prices the same few sizes many times)
         self._overheads: deque[float] = deque(maxlen=window)
         self._overhead = 0.0  # their median: what a step costs besides the model's
@@ -152,13 +163,15 @@ class ObservedStepCost:
                 ) -> None:
         """A model step over ``num_tokens`` query tokens took ``seconds``; the rest of
         the engine's step (scheduling, proposals, sampling's bookkeeping, outputs; not a
-        draft model's forwards) ``overhead``, if given."""
+        draft model's forwards) ``overhead``, if given. Kept only: the estimates are
+        recomputed when priced next after ``refresh_steps`` observations (see
+        :meth:`ratios`)."""
         self._step += 1
-        self._ratios = None
-        self._costs.clear()
+        if self._step - self._refreshed_at >= self.refresh_steps:
+            self._ratios = None
+            self._costs.clear()
         if overhead is not None and 0.0 <= overhead < float("inf"):
             self._overheads.append(overhead)
-            self._overhead = statistics.median(self._overheads)  # (>= 0: each is)
         if not 1 <= num_tokens <= self.max_tokens or not seconds > 0.0:
             return
         ratio = seconds / self.base(num_tokens)
@@ -167,14 +180,15 @@ class ObservedStepCost:
         if samples is None:
             samples = self._samples[num_tokens] = deque(maxlen=self.window)
         samples.append(ratio)
-        if len(samples) >= self.min_samples:
-            self._medians[num_tokens] = statistics.median(samples)
+        self._dirty.add(num_tokens)
         self._recent.append(ratio)
         self._last_seen[num_tokens] = self._step
 
     @property
     def overhead(self) -> float:
-        """What a step costs besides the model's forward (median of the last ``window``)."""
+        """What a step costs besides the model's forward (median of the last ``window``, as
+        of the last refresh: what the prices include). A plain read (``/metrics`` asks from
+        another thread)."""
         return self._overhead
 
     def recent_ratio(self) -> float:
@@ -192,8 +206,18 @@ class ObservedStepCost:
         return len(self._samples.get(num_tokens, ()))
 
     def ratios(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        """The step sizes with a current estimate and their median ratios (ascending)."""
+        """The step sizes with a current estimate and their median ratios (ascending), as of
+        the last refresh: recomputed here (each size observed since then gets its median
+        again, stale sizes are dropped) once ``refresh_steps`` observations have come."""
         if self._ratios is None:
+            self._refreshed_at = self._step
+            for n in self._dirty:
+                samples = self._samples.get(n)
+                if samples is not None and len(samples) >= self.min_samples:
+                    self._medians[n] = statistics.median(samples)
+            self._dirty.clear()
+            if self._overheads:
+                self._overhead = statistics.median(self._overheads)  # (>= 0: each is)
             oldest = self._step - self.stale_steps
             for n in [n for n, seen in self._last_seen.items() if seen < oldest]:
                 # (bounds the work to sizes seen lately, e.g. prefills)

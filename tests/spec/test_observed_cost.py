@@ -71,6 +71,23 @@ def test_recent_ratio_is_what_metrics_show():
     assert cost.recent_ratio() == pytest.approx(1.3)  # every size's steps, median
 
 
+def test_prices_are_refreshed_every_refresh_steps_observations():
+    """Between refreshes a plan prices with the last estimates (no median, floor or price is
+    recomputed after each step); the refresh takes every observation since the last."""
+    cost = ObservedStepCost(QUIET, refresh_steps=4)
+    assert cost(1) == QUIET(1)  # a refresh with nothing observed
+    observe(cost, 1, 1.5, times=3)  # 3 observations: not yet
+    cost.observe(2, QUIET(2) * 2.0, 0.25)
+    assert cost(1) == pytest.approx(QUIET(1) * 1.5 + 0.25)  # the 4th: refreshed
+    assert cost.overhead == 0.25
+    observe(cost, 1, 3.0, times=3)  # the median would now be 3.0, but no refresh yet
+    assert cost(1) == pytest.approx(QUIET(1) * 1.5 + 0.25)
+    cost.observe(1, QUIET(1) * 3.0)
+    assert cost(1) == pytest.approx(QUIET(1) * 3.0 + 0.25)  # median of 1.5 x 3, 3.0 x 4
+    with pytest.raises(ValueError, match="refresh_steps"):
+        ObservedStepCost(QUIET, refresh_steps=0)
+
+
 def test_bad_observations_are_ignored():
     cost = ObservedStepCost(QUIET, max_tokens=64)
     for n, seconds in ((0, 1.0), (65, 1.0), (4, 0.0), (4, float("nan"))):
