@@ -42,7 +42,7 @@ from quickdraft.spec.suffix_corpus import find_corpus
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
 COST_CONTEXT = 256  # cached positions before the timed tokens of the step-cost curve
-STEP_COST_REFRESH_STEPS = 8  # observed steps between re-pricings (spec.step_cost)
+STEP_COST_REFRESH_S = 0.03  # seconds of steps between re-pricings (spec.step_cost)
 
 
 class InvalidRequestError(InvalidParameterError):
@@ -109,7 +109,7 @@ class LLMEngine:
         step_cost = self._step_cost()
         # a measured curve is corrected by the steps' real times while serving (a busy
         # neighbour makes rows dearer); the default curve of an unmeasured engine stays fixed
-        self.step_cost = ObservedStepCost(step_cost, refresh_steps=STEP_COST_REFRESH_STEPS) \
+        self.step_cost = ObservedStepCost(step_cost, refresh_seconds=STEP_COST_REFRESH_S) \
             if config.measure_step_cost and config.speculation != "off" else None
         policy = SpeculationPolicy(
             self.step_cost or step_cost, config.num_speculative_tokens,

@@ -125,11 +125,16 @@ class ObservedStepCost:
     were paid whether or not the drafts were granted (folded in, ``cost(2) / cost(1)``
     came out 1.26 against 1.15 over the model's forward alone).
 
-    Refreshed every ``refresh_steps`` observations, not after each: recomputing the
-    medians, the floor and the cached prices after every step cost the plan ~45 us a step
-    (``observe`` 21 us, the first price of a plan 27 us, SmolLM2 at C=1 on the 2-core
-    AVX512-BF16 Zen 4 EPYC, 2026-11-30: Python's state is cold after a model step); the
-    engine refreshes every 8 steps (~30 ms at C=1), well inside a window of 32.
+    Refreshed once ``refresh_seconds`` of observed steps (model + overhead) have passed,
+    not after each step: recomputing the medians, the floor and the cached prices after
+    every step cost the plan ~45 us a step (``observe`` 21 us, the first price of a plan 27
+    us, SmolLM2 at C=1 on the 2-core AVX512-BF16 Zen 4 EPYC, 2026-11-30: Python's state is
+    cold after a model step), ~1 % of a 4 ms step, nothing beside a 1.5B model's 30 ms one.
+    The engine's 30 ms is ~7 SmolLM2 steps at C=1, 3 at C=8 (one engine, arms alternating,
+    every 30 ms against every step: C=1 1.254x -> 1.263x, C=8 1.038x -> 1.053x, 4 rounds
+    each, ahead in every round), and every step of a model whose steps take longer, as
+    before. The window (32 steps) is what the estimates average over; a refresh only
+    decides how soon a plan sees them.
 
     Invariant: the observer (the engine, after each step) is the only writer; every
     ratio is finite and > 0, the overhead finite and >= 0; the excess ``start-up(n) *
@@ -137,19 +142,19 @@ class ObservedStepCost:
 
     def __init__(self, base: StepCost, window: int = 32, min_samples: int = 3,
                  stale_steps: int = 256, max_tokens: int = 1024,
-                 refresh_steps: int = 1) -> None:
-        if refresh_steps < 1:
-            raise ValueError("refresh_steps must be at least 1")
+                 refresh_seconds: float = 0.0) -> None:
+        if not 0.0 <= refresh_seconds < float("inf"):
+            raise ValueError("refresh_seconds must be finite and >= 0")
         self.base = base
         self.window, self.min_samples = window, min_samples
         self.stale_steps, self.max_tokens = stale_steps, max_tokens
-        self.refresh_steps = refresh_steps
+        self.refresh_seconds = refresh_seconds
         self._samples: dict[int, deque[float]] = {}
         # the median of each size's samples once it has min_samples, recomputed at a
         # refresh for the sizes observed since the last one (``_dirty``)
         self._medians: dict[int, float] = {}
         self._dirty: set[int] = set()
-        self._refreshed_at = 0  # the observation count at the last refresh
+        self._since_refresh = 0.0  # seconds of steps observed since the last refresh
         self._recent: deque[float] = deque(maxlen=64)  # every size's ratios, for /metrics
         self._last_seen: dict[int, int] = {}
         self._step = 0
@@ -164,14 +169,17 @@ class ObservedStepCost:
         """A model step over ``num_tokens`` query tokens took ``seconds``; the rest of
         the engine's step (scheduling, proposals, sampling's bookkeeping, outputs; not a
         draft model's forwards) ``overhead``, if given. Kept only: the estimates are
-        recomputed when priced next after ``refresh_steps`` observations (see
-        :meth:`ratios`)."""
+        recomputed when priced next once ``refresh_seconds`` of steps have been observed
+        (see :meth:`ratios`)."""
         self._step += 1
-        if self._step - self._refreshed_at >= self.refresh_steps:
-            self._ratios = None
-            self._costs.clear()
         if overhead is not None and 0.0 <= overhead < float("inf"):
             self._overheads.append(overhead)
+            self._since_refresh += overhead
+        if 0.0 < seconds < float("inf"):
+            self._since_refresh += seconds
+        if self._since_refresh >= self.refresh_seconds:
+            self._ratios = None
+            self._costs.clear()
         if not 1 <= num_tokens <= self.max_tokens or not seconds > 0.0:
             return
         ratio = seconds / self.base(num_tokens)
@@ -208,9 +216,9 @@ class ObservedStepCost:
     def ratios(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """The step sizes with a current estimate and their median ratios (ascending), as of
         the last refresh: recomputed here (each size observed since then gets its median
-        again, stale sizes are dropped) once ``refresh_steps`` observations have come."""
+        again, stale sizes are dropped) once ``refresh_seconds`` of steps have passed."""
         if self._ratios is None:
-            self._refreshed_at = self._step
+            self._since_refresh = 0.0
             for n in self._dirty:
                 samples = self._samples.get(n)
                 if samples is not None and len(samples) >= self.min_samples:

@@ -71,21 +71,30 @@ def test_recent_ratio_is_what_metrics_show():
     assert cost.recent_ratio() == pytest.approx(1.3)  # every size's steps, median
 
 
-def test_prices_are_refreshed_every_refresh_steps_observations():
+def test_prices_are_refreshed_once_refresh_seconds_of_steps_have_passed():
     """Between refreshes a plan prices with the last estimates (no median, floor or price is
-    recomputed after each step); the refresh takes every observation since the last."""
-    cost = ObservedStepCost(QUIET, refresh_steps=4)
-    assert cost(1) == QUIET(1)  # a refresh with nothing observed
-    observe(cost, 1, 1.5, times=3)  # 3 observations: not yet
-    cost.observe(2, QUIET(2) * 2.0, 0.25)
-    assert cost(1) == pytest.approx(QUIET(1) * 1.5 + 0.25)  # the 4th: refreshed
-    assert cost.overhead == 0.25
-    observe(cost, 1, 3.0, times=3)  # the median would now be 3.0, but no refresh yet
-    assert cost(1) == pytest.approx(QUIET(1) * 1.5 + 0.25)
-    cost.observe(1, QUIET(1) * 3.0)
-    assert cost(1) == pytest.approx(QUIET(1) * 3.0 + 0.25)  # median of 1.5 x 3, 3.0 x 4
-    with pytest.raises(ValueError, match="refresh_steps"):
-        ObservedStepCost(QUIET, refresh_steps=0)
+    recomputed after each step); a refresh takes every observation since the last. (A
+    window of one: a size's estimate is its last ratio.)"""
+    cost = ObservedStepCost(QUIET, window=1, min_samples=1, refresh_seconds=20.0)
+    assert cost(1) == QUIET(1) == 6.0  # a refresh with nothing observed
+    cost.observe(1, 9.0)  # 9 s of steps since the refresh
+    assert cost(1) == 6.0
+    cost.observe(1, 9.0, 0.5)  # 18.5
+    assert cost(1) == 6.0
+    cost.observe(1, 12.0)  # 30.5: refreshed when priced next
+    assert cost(1) == 12.0 + 0.5
+    assert cost.overhead == 0.5
+    cost.observe(1, 18.0)  # 18
+    assert cost(1) == 12.5
+    cost.observe(1, 3.0)  # 21
+    assert cost(1) == 3.0 + 0.5
+    every_step = ObservedStepCost(QUIET, window=1, min_samples=1)  # the default: 0 s
+    for seconds in (9.0, 3.0, 12.0):
+        every_step.observe(1, seconds)
+        assert every_step(1) == seconds
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="refresh_seconds"):
+            ObservedStepCost(QUIET, refresh_seconds=bad)
 
 
 def test_bad_observations_are_ignored():
