@@ -112,7 +112,7 @@ def agreement(ours: list[list[int]], hf: list[list[int]], eos: frozenset[int]) -
 def weight_bytes_per_step(engine: LLMEngine) -> dict[str, Any]:
     """Bytes of weights one decode step reads: every parameter except an untied embedding;
     layers running on 4-bit weights count their packed bytes instead of the dense ones."""
-    from quickdraft.engine.models.llama import Linear
+    from quickdraft.engine.models.llama_layers import Linear
 
     model = engine.runner.model
     params = dict(model.named_parameters())  # a tied lm_head is the same tensor: counted once

@@ -76,7 +76,7 @@ from quickdraft.engine import loader
 from quickdraft.engine.backend import KernelBackend, select_backend
 from quickdraft.engine.config import DTYPES, KERNEL_BACKENDS, ConfigError, EngineConfig
 from quickdraft.engine.model_runner import ModelRunner
-from quickdraft.engine.models.llama import ModelShape
+from quickdraft.engine.models.llama_layers import ModelShape
 
 MODEL_NAMES = ("default", "llama-1b", "llama-8b", "tiny")
 GOAL_VS_HF = 10.0  # default model, batch 1: quickdraft tok/s >= 10x HF generate

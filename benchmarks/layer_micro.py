@@ -29,7 +29,7 @@ from common import machine_info, machine_summary, per_call_us
 
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
-from quickdraft.engine.models.llama import TORCH_OPS
+from quickdraft.engine.models.llama_layers import TORCH_OPS
 from quickdraft.kernels import cpu_attention, cpu_int4, cpu_layer
 
 

@@ -46,7 +46,7 @@ from common import (
 
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
-from quickdraft.engine.models.llama import StackedWeight
+from quickdraft.engine.models.llama_weights import StackedWeight
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.kernels import cpu_q4q8
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from quickdraft.engine.config import ConfigError, EngineConfig
-from quickdraft.engine.models.llama import LayerOps
+from quickdraft.engine.models.llama_layers import LayerOps
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from quickdraft.engine.cpu_threads import ThreadGovernor
 from quickdraft.engine.detokenizer import IncrementalDetokenizer
 from quickdraft.engine.kv_cache import KVCacheManager, cdiv, kv_bytes_per_block
 from quickdraft.engine.model_runner import ModelRunner
-from quickdraft.engine.models.llama import ModelShape
+from quickdraft.engine.models.llama_layers import ModelShape
 from quickdraft.engine.outputs import RequestOutput, Usage
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams

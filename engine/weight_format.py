@@ -35,7 +35,7 @@ from quickdraft.engine.config import ConfigError
 log = logging.getLogger(__name__)
 
 # the 4-bit formats, fastest first on the machines measured, and their kernel
-# (engine.models.llama.FOUR_BIT_KERNELS)
+# (engine.models.llama_weights.FOUR_BIT_KERNELS)
 KERNEL_OF = {"int4-q8": "q8", "int4": "torch"}
 DERIVED_FILE_PREFIX = "q4_weights"  # files quickdraft derives beside a checkpoint
 Q4_CACHE_FILE = f"{DERIVED_FILE_PREFIX}-v3.safetensors"  # bump the version on change

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from quickdraft.engine.models.llama import ModelShape
+from quickdraft.engine.models.llama_layers import ModelShape
 from quickdraft.engine.weight_format import DERIVED_FILE_PREFIX
 from quickdraft.kernels import torch_ops
 

@@ -194,7 +194,7 @@ def run_on_device(config: Any) -> dict[str, Any]:
     import json
 
     from quickdraft.engine import loader
-    from quickdraft.engine.models.llama import ModelShape
+    from quickdraft.engine.models.llama_layers import ModelShape
     from quickdraft.engine.models.rope import RotaryEmbedding
     from quickdraft.spec.draft_head import DraftHeadConfig, model_fingerprint
     from quickdraft.spec.draft_head_data import add_new_answers, corpus_rows, read_jsonl

@@ -52,7 +52,9 @@ import torch
 
 from quickdraft.engine.backend import KernelBackend, synchronize
 from quickdraft.engine.kv_cache import kv_bytes_per_block
-from quickdraft.engine.models.llama import Linear, LlamaForCausalLM, StackedWeight
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.models.llama_layers import Linear
+from quickdraft.engine.models.llama_weights import StackedWeight
 from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.engine.step_plan import StepPlan

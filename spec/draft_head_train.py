@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from quickdraft.engine.models.llama import LlamaForCausalLM, ModelShape
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.models.llama_layers import ModelShape
 from quickdraft.spec.draft_head import (
     DraftHead,
     DraftHeadConfig,

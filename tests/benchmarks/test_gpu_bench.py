@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from quickdraft.engine.models.llama import ModelShape
+from quickdraft.engine.models.llama_layers import ModelShape
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
 

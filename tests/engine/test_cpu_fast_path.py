@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quickdraft.engine.models.llama import Linear
+from quickdraft.engine.models.llama_layers import Linear
 from quickdraft.kernels import cpu_fused, cpu_gemv
 
 
@@ -42,7 +42,8 @@ def test_fused_layer_ops_are_bit_equal_to_torch_ops_in_bf16():
     from transformers import LlamaConfig
 
     from quickdraft.engine.kv_cache import KVCacheManager
-    from quickdraft.engine.models.llama import FUSED_CPU_OPS, TORCH_OPS, LlamaForCausalLM
+    from quickdraft.engine.models.llama import LlamaForCausalLM
+    from quickdraft.engine.models.llama_layers import FUSED_CPU_OPS, TORCH_OPS
     from quickdraft.kernels import torch_attention
     from quickdraft.kernels.attention_metadata import build_metadata
     from tests.kernels import sum_order_oracle

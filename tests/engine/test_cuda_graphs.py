@@ -162,7 +162,7 @@ def test_triton_model_runs_the_backends_kernels(config, invariant):
     """bf16 on the triton backend: the layer ops are Triton's (never the fused CPU ops, also
     under the interpreter on a CPU), and every linear layer multiplies with the backend's
     GEMM (the batch-invariant one) or F.linear (tuned)."""
-    from quickdraft.engine.models.llama import Linear
+    from quickdraft.engine.models.llama_layers import Linear
     from quickdraft.kernels import triton_matmul
 
     if not torch.cuda.is_available() and not triton_interpreting():

@@ -13,7 +13,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
 
-from quickdraft.engine.models.llama import DecoderLayer, LlamaForCausalLM, StackedWeight
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.models.llama_layers import DecoderLayer
+from quickdraft.engine.models.llama_weights import StackedWeight
 from quickdraft.kernels import (
     cbuild,
     cpu_attention,

@@ -117,7 +117,9 @@ def test_q6_k_layer_matrices_run_on_the_6_bit_loop():
     from transformers import LlamaConfig
 
     from quickdraft.engine.gguf_quant import Q4Weight
-    from quickdraft.engine.models.llama import FUSED_CPU_OPS, LlamaForCausalLM, StackedWeight
+    from quickdraft.engine.models.llama import LlamaForCausalLM
+    from quickdraft.engine.models.llama_layers import FUSED_CPU_OPS
+    from quickdraft.engine.models.llama_weights import StackedWeight
     from quickdraft.kernels import cpu_layer, torch_attention
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96,

@@ -211,7 +211,8 @@ def test_plugs_in_as_the_model_backend():
     Not wiring: the engine still only selects the torch path."""
     from transformers import LlamaConfig
 
-    from quickdraft.engine.models.llama import LayerOps, LlamaForCausalLM
+    from quickdraft.engine.models.llama import LlamaForCausalLM
+    from quickdraft.engine.models.llama_layers import LayerOps
     from quickdraft.kernels import triton_ops
 
     config = LlamaConfig(vocab_size=97, hidden_size=384, intermediate_size=256,

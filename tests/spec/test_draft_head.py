@@ -12,7 +12,8 @@ import torch
 
 from quickdraft.engine.backend import select_backend
 from quickdraft.engine.config import EngineConfig
-from quickdraft.engine.models.llama import LlamaForCausalLM, ModelShape
+from quickdraft.engine.models.llama import LlamaForCausalLM
+from quickdraft.engine.models.llama_layers import ModelShape
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.spec.draft_head import (
     DraftHead,

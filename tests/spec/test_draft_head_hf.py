@@ -15,7 +15,7 @@ import torch
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
 from quickdraft.engine.loader import eos_token_ids, load_config, load_tokenizer
-from quickdraft.engine.models.llama import ModelShape
+from quickdraft.engine.models.llama_layers import ModelShape
 from quickdraft.spec.draft_head import default_aux_layers, find_head
 from quickdraft.spec.draft_head_data import add_new_answers, capture_one, corpus_rows
 from quickdraft.spec.draft_head_hf import capture, cut_at_eos, generate, load_hf_target

@@ -133,7 +133,7 @@ def _random_head_engines(out: Path, default_model_dir: Path, weights: str,
     import torch
 
     from quickdraft.engine import loader
-    from quickdraft.engine.models.llama import ModelShape
+    from quickdraft.engine.models.llama_layers import ModelShape
     from quickdraft.spec.draft_head import (
         DraftHead,
         DraftHeadConfig,
@@ -192,7 +192,7 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
     import torch
 
     from quickdraft.engine import loader
-    from quickdraft.engine.models.llama import ModelShape
+    from quickdraft.engine.models.llama_layers import ModelShape
     from quickdraft.kernels import cpu_layer, cpu_q4q8
     from quickdraft.spec.draft_head_runner import HeadInput
 

@@ -15,7 +15,7 @@ import pytest
 from quickdraft.engine import loader
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
-from quickdraft.engine.models.llama import ModelShape
+from quickdraft.engine.models.llama_layers import ModelShape
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.kernels import cpu_q4q8
 from quickdraft.spec.draft_head import SHIPPED_HEADS, find_head, model_fingerprint
