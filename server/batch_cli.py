@@ -250,7 +250,8 @@ async def run_local(args: argparse.Namespace, data: bytes, endpoint: str) -> dic
     notes.say(f"loading model {args.model or '(the default)'} ...")
     started = time.monotonic()
     from quickdraft.engine.async_engine import AsyncLLM
-    from quickdraft.server.batch_worker import BatchWorker, LocalLink
+    from quickdraft.server.batch_requests import LocalLink
+    from quickdraft.server.batch_worker import BatchWorker
     from quickdraft.server.serve import serve_engine_config
     from quickdraft.server.settings import ServerSettings
 

@@ -21,34 +21,20 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from collections import Counter, deque
-from collections.abc import AsyncGenerator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING
 
-import jinja2
-import orjson
-
-from quickdraft.engine.async_engine import AsyncLLM, EngineDeadError
-from quickdraft.engine.outputs import RequestOutput, Usage
-from quickdraft.engine.sampling_params import InvalidParameterError
-from quickdraft.server.batch_cli import CHAT_ENDPOINT
-from quickdraft.server.batch_store import BatchStore, LineRecord, PendingLine, new_id
-from quickdraft.server.errors import ProtocolError, engine_failed, invalid, unsupported
-from quickdraft.server.openai_api import parse_messages, parse_options, parse_prompt
-from quickdraft.server.openai_format import CompletionFormat
-from quickdraft.server.params import (
-    JSON,
-    PRIORITY_CLASSES,
-    Fields,
-    build_sampling,
-    cache_namespace,
-    fit_max_tokens,
+from quickdraft.server.batch_lines import BatchInputError, parse_input, response_line
+from quickdraft.server.batch_requests import (
+    BACKGROUND,
+    Answer,
+    EngineLink,
+    Unavailable,
+    execute,
 )
+from quickdraft.server.batch_store import BatchStore, PendingLine, new_id
+from quickdraft.server.errors import ProtocolError
 
 if TYPE_CHECKING:
     from quickdraft.server.metrics import GatewayMetrics
@@ -59,246 +45,9 @@ except ImportError:  # not POSIX: no guard against a second process on the same 
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
-BACKGROUND = PRIORITY_CLASSES["background"]
-MAX_LINES = 50_000  # requests in one batch (OpenAI's limit)
 DEFAULT_MAX_IN_FLIGHT = 8
 RETRY_DELAY = 1.0  # seconds before retrying when the engine cannot take requests
 IDLE_POLL = 5.0  # seconds between store checks when nothing wakes the worker
-
-
-class Unavailable(Exception):
-    """The engine cannot run requests now; the line stays pending and runs later."""
-
-
-class BatchInputError(Exception):
-    """The input file as a whole is unusable: the batch fails."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-    def to_dict(self) -> JSON:
-        return {"code": self.code, "message": self.message, "param": None, "line": None}
-
-
-class EngineLink(Protocol):
-    """What the worker needs from its host: :class:`server.gateway.Gateway` or
-    :class:`LocalLink`."""
-
-    model_name: str
-
-    async def wait_loaded(self) -> bool: ...
-
-    def engine(self) -> AsyncLLM: ...
-
-    async def chat_prompt(self, llm: AsyncLLM, messages: list[dict[str, str]],
-                          param: str) -> list[int]: ...
-
-    async def text_prompt(self, llm: AsyncLLM, prompt: str) -> list[int]: ...
-
-
-class LocalLink:
-    """An :class:`EngineLink` over an AsyncLLM owned by the caller (no gateway)."""
-
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
-        self.llm = llm
-        self.model_name = model_name
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="quickdraft-batch-tokenize")
-
-    async def wait_loaded(self) -> bool:
-        return True
-
-    def engine(self) -> AsyncLLM:
-        if not self.llm.is_running:
-            raise engine_failed("the engine has stopped")
-        return self.llm
-
-    async def chat_prompt(self, llm: AsyncLLM, messages: list[dict[str, str]],
-                          param: str) -> list[int]:
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._pool, llm.engine.apply_chat_template,
-                                              messages)
-        except (ValueError, TypeError, jinja2.TemplateError) as exc:
-            raise invalid(param, f"the chat template refused the messages: {exc}") from exc
-
-    async def text_prompt(self, llm: AsyncLLM, prompt: str) -> list[int]:
-        loop = asyncio.get_running_loop()
-        encode = partial(llm.engine.tokenizer.encode, prompt, add_special_tokens=False)
-        return list(await loop.run_in_executor(self._pool, encode))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-# ---------------------------------------------------------------------- input and output lines
-
-
-def error_line(custom_id: str | None, code: str, message: str) -> JSON:
-    """An error-file line for a request that got no HTTP response (refused before running)."""
-    return {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
-
-
-def response_line(custom_id: str, status_code: int, request_id: str, body: JSON) -> JSON:
-    """An output-file line (status 200) or an error-file line (an HTTP error response)."""
-    return {"id": new_id("batch_req_"), "custom_id": custom_id,
-            "response": {"status_code": status_code, "request_id": request_id, "body": body},
-            "error": None}
-
-
-def parse_input(data: bytes, endpoint: str, max_lines: int = MAX_LINES) -> list[LineRecord]:
-    """Split a JSONL input file into request lines (blank lines skipped). A malformed line is
-    kept as a refused line with its error-file entry, so the rest of the job carries on; raises
-    BatchInputError if the file as a whole is unusable."""
-    raw_lines = [(n, raw) for n, raw in enumerate(data.splitlines(), 1) if raw.strip()]
-    if not raw_lines:
-        raise BatchInputError("empty_file", "the input file holds no request lines")
-    if len(raw_lines) > max_lines:
-        raise BatchInputError("too_many_requests", f"the input file holds {len(raw_lines)} "
-                              f"requests; a batch takes at most {max_lines}")
-    records: list[LineRecord] = []
-    seen: dict[str, int] = {}
-    for idx, (n, raw) in enumerate(raw_lines):
-        custom_id, body, error = _parse_line(raw, n, endpoint, seen)
-        if error is not None:
-            code, message = error
-            records.append(LineRecord(idx, custom_id, None,
-                                      error_line(custom_id, code, f"line {n}: {message}")))
-        else:
-            records.append(LineRecord(idx, custom_id, body))
-    return records
-
-
-def _parse_line(raw: bytes, n: int, endpoint: str, seen: dict[str, int]
-                ) -> tuple[str | None, JSON | None, tuple[str, str] | None]:
-    """(custom_id, body, None) or (custom_id or None, None, (code, message))."""
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        return None, None, ("invalid_json", f"not valid JSON: {exc}")
-    if not isinstance(obj, dict):
-        return None, None, ("invalid_request", "a request line must be a JSON object")
-    cid = obj.get("custom_id")
-    if cid is None:
-        return None, None, ("missing_required_parameter", "custom_id is required")
-    if not isinstance(cid, str) or not cid:
-        return None, None, ("invalid_custom_id", "custom_id must be a non-empty string")
-    if cid in seen:
-        return cid, None, ("duplicate_custom_id", f"custom_id {cid!r} is already used on line "
-                           f"{seen[cid]}; each request needs its own")
-    seen[cid] = n
-    method, url, body = obj.get("method"), obj.get("url"), obj.get("body")
-    missing = [k for k, v in (("method", method), ("url", url), ("body", body)) if v is None]
-    if missing:
-        verb = "is" if len(missing) == 1 else "are"
-        return cid, None, ("missing_required_parameter", f"{', '.join(missing)} {verb} required")
-    if not isinstance(method, str) or method.upper() != "POST":
-        return cid, None, ("invalid_method", f"method must be 'POST', got {method!r}")
-    if url != endpoint:
-        return cid, None, ("invalid_url", f"url {url!r} does not match the batch's endpoint "
-                           f"{endpoint!r}")
-    if not isinstance(body, dict):
-        return cid, None, ("invalid_request", "body must be a JSON object")
-    return cid, body, None
-
-
-# ---------------------------------------------------------------------- one line
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One line's HTTP-shaped answer; ``finish_reason`` (and ``usage``, ``latency``: seconds
-    from submitting to the engine to its last output) are set when the engine ran it."""
-
-    status_code: int
-    request_id: str
-    body: JSON
-    usage: Usage | None = None
-    finish_reason: str | None = None
-    latency: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.status_code == 200
-
-    @property
-    def prompt_tokens(self) -> int:
-        """For the batch's ``usage``: answered (200) lines only."""
-        return self.usage.prompt_tokens if self.usage and self.ok else 0
-
-    @property
-    def completion_tokens(self) -> int:
-        """For the batch's ``usage``: answered (200) lines only."""
-        return self.usage.completion_tokens if self.usage and self.ok else 0
-
-
-async def execute(link: EngineLink, endpoint: str, body: JSON,
-                  priority: int = BACKGROUND, tenant: str | None = None) -> Answer:
-    """Run one request body the way POST ``endpoint`` would (same parsing, same response
-    shape), never streamed, at ``priority``, in ``tenant``'s cache namespace (refined by the
-    body's ``cache_salt``, as over HTTP). An HTTP error becomes an Answer with its status
-    and ``{"error": ...}`` body; raises Unavailable if the engine cannot take requests now."""
-    try:
-        llm = link.engine()
-    except ProtocolError as err:  # loading, draining, stopped
-        raise Unavailable(err.message) from err
-    chat = endpoint == CHAT_ENDPOINT
-    fmt: CompletionFormat | None = None
-    try:
-        f = Fields(body)  # error params name fields as the HTTP API does
-        opts = parse_options(f, link.model_name, chat=chat)
-        if opts.stream:
-            raise unsupported("stream", "batch requests cannot be streamed")
-        if chat:
-            ids = await link.chat_prompt(llm, parse_messages(f), "messages")
-        else:
-            prompt = parse_prompt(f)
-            ids = prompt if isinstance(prompt, list) else await link.text_prompt(llm, prompt)
-        prompt_param = "messages" if chat else "prompt"
-        max_tokens = fit_max_tokens(len(ids), opts.max_tokens, llm.engine.max_model_len,
-                                    param=opts.max_tokens_param, prompt_param=prompt_param)
-        params = build_sampling({**opts.sampling, "max_tokens": max_tokens,
-                                 "logprobs": opts.logprobs}, "", opts.max_tokens_param)
-        fmt = CompletionFormat(chat=chat, model=link.model_name,
-                               tokenizer=llm.engine.tokenizer, logprobs=opts.logprobs)
-        start = time.monotonic()
-        outputs = await _generate(llm, ids, params, fmt.id, priority, opts.speculation,
-                                  prompt_param, cache_namespace(tenant, opts.cache_salt))
-    except ProtocolError as err:
-        return Answer(err.status, fmt.id if fmt else new_id("req_"), {"error": err.to_dict()})
-    final, latency = outputs[-1], time.monotonic() - start
-    if final.finish_reason == "abort":
-        raise Unavailable("the request was aborted")
-    if final.finish_reason == "error":
-        if not llm.is_running:
-            raise Unavailable(final.error or "the engine stopped")
-        failed = engine_failed(final.error or "the engine failed this request")
-        return Answer(failed.status, fmt.id, {"error": failed.to_dict()}, final.usage,
-                      "error", latency)
-    return Answer(200, fmt.id, fmt.body(outputs), final.usage, final.finish_reason, latency)
-
-
-async def _generate(llm: AsyncLLM, ids: list[int], params: Any, request_id: str,
-                    priority: int, speculation: Any, prompt_param: str,
-                    cache_salt: str | None) -> list[RequestOutput]:
-    stream = cast(AsyncGenerator[RequestOutput, None], llm.generate(
-        prompt_token_ids=ids, sampling_params=params, request_id=request_id,
-        priority=priority, speculation=speculation, cache_salt=cache_salt))
-    outputs: list[RequestOutput] = []
-    try:
-        async with contextlib.aclosing(stream):  # cancelled: aclose() aborts the request
-            async for out in stream:
-                outputs.append(out)
-    except InvalidParameterError as err:  # refused by the engine itself
-        param = prompt_param if err.param in ("prompt", "prompt_token_ids") else err.param
-        raise invalid(param, err.message) from err
-    except EngineDeadError as err:
-        raise Unavailable(str(err)) from err
-    if not outputs:
-        raise Unavailable("the engine returned no output")
-    return outputs
 
 
 # ---------------------------------------------------------------------- the worker

@@ -10,18 +10,15 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Any, Protocol
-
-import jinja2
 
 from quickdraft.engine.async_engine import AsyncLLM
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
-from quickdraft.server.errors import engine_failed, invalid, model_loading, shutting_down
+from quickdraft.server.errors import engine_failed, model_loading, shutting_down
 from quickdraft.server.limits import Admission, ConnectionLimit
 from quickdraft.server.metrics import GatewayMetrics
+from quickdraft.server.prompt_tokenizer import PromptTokenizer
 from quickdraft.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -56,7 +53,7 @@ class Gateway:
         self.http_requests: set[str] = set()  # engine request ids of HTTP requests in flight
         self.metrics = GatewayMetrics(self.model_name, self._stats)
         self._factory = engine_factory
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="quickdraft-tokenize")
+        self._tokenizer = PromptTokenizer("quickdraft-tokenize")
         self._loaded: asyncio.Event | None = None
 
     def _stats(self) -> dict[str, Any] | None:
@@ -112,7 +109,7 @@ class Gateway:
         llm, self.llm = self.llm, None
         if llm is not None:
             await asyncio.to_thread(llm.shutdown)
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer.close()
 
     # ------------------------------------------------------------------ serving
 
@@ -131,17 +128,10 @@ class Gateway:
     async def chat_prompt(self, llm: AsyncLLM, messages: list[dict[str, str]],
                           param: str) -> list[int]:
         """Apply the chat template in the tokenizer thread (big prompts must not stall I/O)."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._tokenizer_pool,
-                                              llm.engine.apply_chat_template, messages)
-        except (ValueError, TypeError, jinja2.TemplateError) as exc:
-            raise invalid(param, f"the chat template refused the messages: {exc}") from exc
+        return await self._tokenizer.chat(llm, messages, param)
 
     async def text_prompt(self, llm: AsyncLLM, prompt: str) -> list[int]:
-        loop = asyncio.get_running_loop()
-        encode = partial(llm.engine.tokenizer.encode, prompt, add_special_tokens=False)
-        return list(await loop.run_in_executor(self._tokenizer_pool, encode))
+        return await self._tokenizer.text(llm, prompt)
 
     # ------------------------------------------------------------------ drain
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from quickdraft.server.batch_cli import detect_endpoint
-from quickdraft.server.batch_store import BatchStore
-from quickdraft.server.batch_worker import (
-    CHAT_ENDPOINT,
+from quickdraft.server.batch_cli import CHAT_ENDPOINT, detect_endpoint
+from quickdraft.server.batch_lines import (
     BatchInputError,
     error_line,
     parse_input,
     response_line,
 )
+from quickdraft.server.batch_store import BatchStore
 
 
 def jsonl(*objs: object) -> bytes:

@@ -16,8 +16,10 @@ import pytest
 from quickdraft.engine.async_engine import AsyncLLM
 from quickdraft.engine.config import EngineConfig
 from quickdraft.engine.llm_engine import LLMEngine
+from quickdraft.server.batch_cli import CHAT_ENDPOINT
+from quickdraft.server.batch_requests import LocalLink
 from quickdraft.server.batch_store import BatchStore
-from quickdraft.server.batch_worker import CHAT_ENDPOINT, BatchWorker, LocalLink
+from quickdraft.server.batch_worker import BatchWorker
 from quickdraft.server.errors import model_loading
 from tests.server.conftest import ENGINE_KW
 
