@@ -27,6 +27,7 @@ from quickdraft.engine.outputs import RequestOutput, Usage
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.sampling_params import InvalidParameterError, SamplingParams
 from quickdraft.engine.scheduler import RequestUpdate, Scheduler
+from quickdraft.engine.startup_costs import measure_draft_costs, measure_target_cost
 from quickdraft.engine.step_plan import CHECK_INVARIANTS
 from quickdraft.spec.draft_cost import ObservedDraftCost
 from quickdraft.spec.draft_head import SHIPPED_HEADS, find_head, model_fingerprint
@@ -36,12 +37,11 @@ from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.policy import SpeculationPolicy
 from quickdraft.spec.speculator import HEAD_NODES_PER_DRAFT, Speculator
 from quickdraft.spec.speed_guard import SpeedGuardConfig
-from quickdraft.spec.step_cost import ObservedStepCost, StepCost, measure_step_cost
+from quickdraft.spec.step_cost import ObservedStepCost
 from quickdraft.spec.suffix_corpus import find_corpus
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
-COST_CONTEXT = 256  # cached positions before the timed tokens of the step-cost curve
 STEP_COST_REFRESH_S = 0.03  # seconds of steps between re-pricings (spec.step_cost)
 
 
@@ -101,12 +101,12 @@ class LLMEngine:
         self.info = ModelInfo(str(model_dir), architecture, self.max_model_len,
                               self.runner.vocab_size, self.runner.num_blocks, config.block_size)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        draft_cost, draft_fixed_cost = self._draft_cost()
+        draft_cost, draft_fixed_cost = measure_draft_costs(config, self.head, self.draft)
         # proposals as served cost more than the warm start-up timing: priced from their
         # observed times (None: not measured, drafting free)
         observed = ObservedDraftCost(draft_cost, draft_fixed_cost) \
             if draft_cost is not None else None
-        step_cost = self._step_cost()
+        step_cost = measure_target_cost(config, self.runner)
         # a measured curve is corrected by the steps' real times while serving (a busy
         # neighbour makes rows dearer); the default curve of an unmeasured engine stays fixed
         self.step_cost = ObservedStepCost(step_cost, refresh_seconds=STEP_COST_REFRESH_S) \
@@ -163,57 +163,6 @@ class LLMEngine:
             self.config.draft_model, self.config.torch_dtype, self.max_model_len,
             self.config.block_size, self.backend, self.config.seed)
         return draft
-
-    def _step_cost(self) -> StepCost:
-        """How a step's time grows with its number of tokens, measured on this machine.
-
-        The sizes straddle every 8-row boundary: the bf16 GEMV kernel takes 8 rows per pass,
-        so 9 tokens can cost about as much as 16, which a curve through powers of two would
-        miss."""
-        if not self.config.measure_step_cost or self.config.speculation == "off":
-            return StepCost.memory_bound()
-        limit = min(self.config.max_num_batched_tokens, 64)
-        sizes = sorted({1, 2, 4, *range(8, 49, 8), *range(9, 50, 8), 64})
-        # after a chat-sized context (where it fits): every verification row attends to the
-        # whole context, so extra rows cost more there than after a short one
-        blocks_needed = cdiv(COST_CONTEXT + limit, self.config.block_size)
-        context = COST_CONTEXT if blocks_needed <= self.runner.num_blocks else 64
-        cost = measure_step_cost(lambda n: self.runner.time_forward(n, context),
-                                 [n for n in sizes if n <= limit])
-        log.info("step cost by tokens: %s", dict(zip(cost.num_tokens, cost.seconds, strict=True)))
-        return cost
-
-    def _draft_cost(self) -> tuple[StepCost | None, StepCost | None]:
-        """``(per draft, fixed)`` by batch size (None when not measured: drafting is free).
-        The draft model: one forward per draft, nothing fixed. A draft head: a proposal
-        for one draft (a tree of depth 1: its catch-up forward alone) is timed beside one
-        for the most drafts (depth ``k``: ``k - 1`` rounds more); the difference per extra
-        draft is the per-draft cost, the rest is fixed (``k`` drafts cost ``fixed + k *
-        per_draft``)."""
-        if not self.config.measure_step_cost:
-            return None, None
-        if self.head is not None and self.draft is None:
-            head, k = self.head, max(self.config.num_speculative_tokens, 2)
-            sizes = [n for n in (1, 2, 4, 8, 16) if n <= self.config.max_num_seqs]
-            one = measure_step_cost(lambda b: head.time_propose(b, 2, max_depth=1), sizes)
-            most = measure_step_cost(lambda b: head.time_propose(b, 2 * k, max_depth=k),
-                                     sizes)
-            n = min(len(one.seconds), len(most.seconds))  # (each stops on its budget)
-            batches = one.num_tokens[:n]
-            per_draft = tuple(max((m - o) / (k - 1), 0.0)
-                              for o, m in zip(one.seconds[:n], most.seconds[:n], strict=True))
-            fixed = tuple(max(o - d, 0.0) for o, d in zip(one.seconds, per_draft, strict=False))
-            log.info("draft head cost by batch: per draft %s, fixed %s",
-                     dict(zip(batches, per_draft, strict=True)),
-                     dict(zip(batches, fixed, strict=True)))
-            return StepCost(batches, per_draft), StepCost(batches, fixed)
-        if self.draft is None:
-            return None, None
-        sizes = [n for n in (1, 2, 4, 8, 9, 16, 17, 32) if n <= self.config.max_num_seqs]
-        cost = measure_step_cost(self.draft.time_forward, sizes)
-        log.info("draft step cost by batch: %s",
-                 dict(zip(cost.num_tokens, cost.seconds, strict=True)))
-        return cost, None
 
     def _max_model_len(self, hf_config: Any) -> int:
         limit = hf_config.max_position_embeddings

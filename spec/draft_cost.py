@@ -1,7 +1,7 @@
 """What drafting costs, as served: the start-up timing of a draft model's (or head's) proposals
 corrected by how long its proposals really take.
 
-The engine times proposals once at start-up (``LLMEngine._draft_cost``): warm, in a loop, one
+The engine times proposals once at start-up (``engine.startup_costs.measure_draft_costs``): warm, in a loop, one
 new position to catch up. In serving a proposal runs right after a target step that has
 streamed the weights through the caches, and it first catches up on every position verified
 since the request's last proposal. On the 2-core AVX2-only Zen 4 (2026-11-29, SmolLM2 and its
