@@ -1,15 +1,15 @@
 """What drafting costs, as served: the start-up timing of a draft model's (or head's) proposals
 corrected by how long its proposals really take.
 
-The engine times proposals once at start-up (``engine.startup_costs.measure_draft_costs``): warm, in a loop, one
-new position to catch up. In serving a proposal runs right after a target step that has
-streamed the weights through the caches, and it first catches up on every position verified
-since the request's last proposal. On the 2-core AVX2-only Zen 4 (2026-11-29, SmolLM2 and its
-shipped head) a head proposal timed 0.36-0.41 ms at start-up took 0.70-0.85 ms after one new
-position, 1.1-1.4 ms after 2-8 and 3-4 ms after an idle spell (docs/benchmarks.md, session
-52): priced at the start-up figure, the head drafted where it lost. The target's rows were
-already priced from observed steps (:class:`spec.step_cost.ObservedStepCost`); this does the
-same for the proposals.
+The engine times proposals once at start-up (``engine.startup_costs.measure_draft_costs``):
+warm, in a loop, one new position to catch up. In serving a proposal runs right after a
+target step that has streamed the weights through the caches, and it first catches up on
+every position verified since the request's last proposal. On the 2-core AVX2-only Zen 4
+(2026-11-29, SmolLM2 and its shipped head) a head proposal timed 0.36-0.41 ms at start-up
+took 0.70-0.85 ms after one new position, 1.1-1.4 ms after 2-8 and 3-4 ms after an idle
+spell (docs/benchmarks.md, session 52): priced at the start-up figure, the head drafted
+where it lost. The target's rows were already priced from observed steps
+(:class:`spec.step_cost.ObservedStepCost`); this does the same for the proposals.
 
 The policy prices ``depth`` drafts for ``batch`` requests at ``depth * per_draft(batch) +
 fixed(batch)`` (:meth:`spec.policy._Plan.with_draft_model`). Each proposal's time over that
