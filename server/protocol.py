@@ -11,11 +11,8 @@ gap-free) and never holds up the engine. Tokenization and generation happen outs
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import orjson
 
 from quickdraft.engine.outputs import RequestOutput, Usage
 from quickdraft.engine.sampling_params import SamplingParams
@@ -24,7 +21,6 @@ from quickdraft.server.errors import (
     empty_conversation,
     invalid,
     rate_limited,
-    unsupported,
 )
 from quickdraft.server.events import error_event, outcome, response_done
 from quickdraft.server.limits import Admission
@@ -32,8 +28,6 @@ from quickdraft.server.outbox import Outbox
 from quickdraft.server.params import (
     CHAT_ROLES,
     JSON,
-    SAMPLING_FIELDS,
-    UNSUPPORTED_FIELDS,
     Fields,
     build_sampling,
     check_model,
@@ -45,30 +39,21 @@ from quickdraft.server.params import (
     read_speculation,
     sampling_view,
 )
+from quickdraft.server.protocol_fields import (
+    ITEM_EVENT_HINTS,
+    ITEM_FIELDS,
+    MAX_ID_LEN,
+    RENAMED,
+    RESPONSE_EVENT_HINTS,
+    RESPONSE_FIELDS,
+    SESSION_EVENT_HINTS,
+    SESSION_FIELDS,
+    check_fields,
+    parse_event,
+    read_event_id,
+)
 from quickdraft.spec.params import SpeculationParams
 
-SESSION_FIELDS = ("instructions", "max_output_tokens", "speculation", *SAMPLING_FIELDS)
-RESPONSE_FIELDS = (*SESSION_FIELDS, "model", "priority", "conversation", "cache_salt")
-ITEM_FIELDS = ("id", "type", "role", "content")
-# OpenAI request fields the WebSocket has no equivalent for: unsupported_parameter whatever
-# their value, as the HTTP API refuses them (n or best_of above 1, echo, top_logprobs, ...).
-OPENAI_ONLY_FIELDS = (*UNSUPPORTED_FIELDS, "n", "best_of", "echo", "logit_bias", "logprobs",
-                      "top_logprobs", "response_format", "tool_choice", "parallel_tool_calls",
-                      "function_call")
-_AS_ITEMS = "conversation.item.create events (one per message) before response.create"
-# Names from OpenAI's HTTP APIs that response.create and session.update do not take -> the
-# field (or event) meant, named in the unknown_parameter message (docs/protocol.md).
-RENAMED = {
-    "max_tokens": "max_output_tokens",
-    "max_completion_tokens": "max_output_tokens",
-    "max_response_output_tokens": "max_output_tokens",  # the Realtime API's session field
-    "messages": _AS_ITEMS,
-    "input": _AS_ITEMS,
-    "prompt": _AS_ITEMS,
-    "system": "instructions",
-    "system_prompt": "instructions",
-}
-MAX_ID_LEN = 128
 CHARS_PER_TOKEN_BOUND = 32  # a conversation longer than context * this can never be answered
 
 
@@ -183,8 +168,8 @@ class Session:
         """One client message; errors become ``error`` events, never exceptions."""
         event_id: str | None = None
         try:
-            event = _parse(text)
-            event_id = _event_id(event)
+            event = parse_event(text)
+            event_id = read_event_id(event)
             return self._handler(event)(Fields(event), event_id)
         except ProtocolError as err:
             self._error(err, event_id)
@@ -203,11 +188,11 @@ class Session:
         return handler
 
     def _session_update(self, ev: Fields, event_id: str | None) -> list[Command]:
-        _check_fields(ev, ("type", "event_id", "session"), "session.update",
-                      _SESSION_EVENT_HINTS)
+        check_fields(ev, ("type", "event_id", "session"), "session.update",
+                      SESSION_EVENT_HINTS)
         s = ev.child("session", required=True)
         assert s is not None
-        _check_fields(s, (*SESSION_FIELDS, "model"), "session.update", RENAMED)
+        check_fields(s, (*SESSION_FIELDS, "model"), "session.update", RENAMED)
         check_model(s, self.model)
         d, raw = self._defaults, s.obj  # a field given as null resets it to the default
         instructions = s.string("instructions", max_len=self._max_chars) \
@@ -225,8 +210,8 @@ class Session:
         return []
 
     def _item_create(self, ev: Fields, event_id: str | None) -> list[Command]:
-        _check_fields(ev, ("type", "event_id", "item"), "conversation.item.create",
-                      _ITEM_EVENT_HINTS)
+        check_fields(ev, ("type", "event_id", "item"), "conversation.item.create",
+                      ITEM_EVENT_HINTS)
         it = ev.child("item", required=True)
         assert it is not None
         it.choice("type", ("message",))
@@ -259,10 +244,10 @@ class Session:
         raise ProtocolError("item_not_found", f"no conversation item {item_id!r}", "item_id")
 
     def _response_create(self, ev: Fields, event_id: str | None) -> list[Command]:
-        _check_fields(ev, ("type", "event_id", "response"), "response.create",
-                      _RESPONSE_EVENT_HINTS)
+        check_fields(ev, ("type", "event_id", "response"), "response.create",
+                      RESPONSE_EVENT_HINTS)
         r = ev.child("response") or Fields({}, "response")
-        _check_fields(r, RESPONSE_FIELDS, "response.create", RENAMED)
+        check_fields(r, RESPONSE_FIELDS, "response.create", RENAMED)
         check_model(r, self.model)
         d = self._defaults
         max_tokens = read_max_tokens(r, "max_output_tokens", allow_inf=True) \
@@ -396,44 +381,3 @@ class Session:
                        "max_message_size": self._max_message_size,
                        "max_conversation_items": self._max_items},
         }
-
-
-def _check_fields(f: Fields, allowed: Collection[str], event: str,
-                  hints: Mapping[str, str]) -> None:
-    """Refuse the fields ``f`` does not define: an OpenAI feature this server lacks as
-    ``unsupported_parameter`` (as the HTTP API does), any other field as ``unknown_parameter``,
-    its message naming the field meant where ``hints`` knows it."""
-    for key in f.obj:
-        if key not in allowed and key in OPENAI_ONLY_FIELDS:
-            raise unsupported(f.param(key), "not supported by this server")
-    f.only(allowed, where=event, renamed=hints)
-
-
-def _event_hints(inner: str, fields: Collection[str]) -> dict[str, str]:
-    """Hints for fields sent beside ``inner`` (``{"type": "response.create", "top_p": 1}``)
-    rather than in it."""
-    hints = {k: f"{inner}.{v}" if v in fields else v for k, v in RENAMED.items()}
-    return hints | {k: f"{inner}.{k}" for k in fields}
-
-
-_SESSION_EVENT_HINTS = _event_hints("session", (*SESSION_FIELDS, "model"))
-_ITEM_EVENT_HINTS = {"message": "item", **{k: f"item.{k}" for k in ITEM_FIELDS}}
-_RESPONSE_EVENT_HINTS = _event_hints("response", RESPONSE_FIELDS)
-
-
-def _parse(text: str) -> JSON:
-    try:
-        event = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise ProtocolError("invalid_json", f"the message is not valid JSON: {exc}") from exc
-    if not isinstance(event, dict):
-        raise ProtocolError("invalid_event", "an event must be a JSON object")
-    return event
-
-
-def _event_id(event: dict[str, Any]) -> str | None:
-    value = event.get("event_id")
-    if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_LEN):
-        raise ProtocolError("invalid_type", f"event_id must be a string of at most "
-                            f"{MAX_ID_LEN} characters", "event_id")
-    return value
