@@ -198,6 +198,7 @@ def run_on_device(config: Any) -> dict[str, Any]:
     from quickdraft.engine.models.rope import RotaryEmbedding
     from quickdraft.spec.draft_head import DraftHeadConfig, model_fingerprint
     from quickdraft.spec.draft_head_data import add_new_answers, corpus_rows, read_jsonl
+    from quickdraft.spec.draft_head_fit import TargetParts, evaluate, train
     from quickdraft.spec.draft_head_prompts import (
         clean_written_prompt,
         first_stage_prompts,
@@ -205,14 +206,7 @@ def run_on_device(config: Any) -> dict[str, Any]:
         second_stage_prompts,
         self_prompt_requests,
     )
-    from quickdraft.spec.draft_head_train import (
-        TargetParts,
-        choose_draft_vocab,
-        evaluate,
-        finish,
-        load_target_head,
-        train,
-    )
+    from quickdraft.spec.draft_head_train import choose_draft_vocab, finish, load_target_head
 
     started, log = time.perf_counter(), _logger()
     device = torch.device(config.device)

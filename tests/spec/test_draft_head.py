@@ -338,7 +338,7 @@ def test_soft_labels_align_with_the_hard_labels() -> None:
     the hard label names (top-1 = argmax), mapped to draft ids, zero off the loss mask and
     outside the draft vocabulary."""
     from quickdraft.spec.draft_head_data import Conversation
-    from quickdraft.spec.draft_head_train import make_batch, soft_labels
+    from quickdraft.spec.draft_head_fit import make_batch, soft_labels
 
     g = torch.Generator().manual_seed(3)
     n, vocab, k = 9, 20, 4
