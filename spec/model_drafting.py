@@ -15,21 +15,29 @@ from quickdraft.engine.request import Request
 from quickdraft.spec.draft_cost import ObservedDraftCost
 from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
 from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
+from quickdraft.spec.proposals import Proposers
 from quickdraft.spec.stats import SpeculationStats
 
 
 class ModelDrafting:
-    """The step's model drafts. ``kv`` is asked (never edited) for the reserved slots;
+    """The step's model drafts, by the draft model and head that ``proposers`` holds (read
+    from there: one holder). ``kv`` is asked (never edited) for the reserved slots;
     ``stats`` gets the proposer time; ``draft_cost`` (None: not observed) each call's."""
 
-    def __init__(self, draft_model: DraftModelRunner | None, head: DraftHeadRunner | None,
-                 kv: KVCacheManager | None, stats: SpeculationStats,
-                 draft_cost: ObservedDraftCost | None = None) -> None:
-        self.draft_model = draft_model
-        self.head = head
+    def __init__(self, proposers: Proposers, kv: KVCacheManager | None,
+                 stats: SpeculationStats, draft_cost: ObservedDraftCost | None = None) -> None:
+        self.proposers = proposers
         self.kv = kv
         self.stats = stats
         self.draft_cost = draft_cost
+
+    @property
+    def draft_model(self) -> DraftModelRunner | None:
+        return self.proposers.draft_model
+
+    @property
+    def head(self) -> DraftHeadRunner | None:
+        return self.proposers.head
 
     def draft(self, requests: list[Request], chains_only: bool = False) -> None:
         """The draft model (or head) drafts ``spec_state.model_k`` tokens for each of

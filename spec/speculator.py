@@ -83,7 +83,7 @@ class Speculator:
         self.speed_guard = speed_guard
         self.guards: dict[str, SpeedGuard] = {}  # by method, made at its first counted step
         self.draft_cost = draft_cost
-        self.model_drafting = ModelDrafting(draft, head, kv, self.stats, draft_cost)
+        self.model_drafting = ModelDrafting(self.proposers, kv, self.stats, draft_cost)
 
     @property
     def draft_model(self) -> DraftModelRunner | None:
