@@ -1,8 +1,8 @@
 """What the speculation policy prices drafts with, measured once when the engine starts: the
 target's step time by query tokens (:func:`measure_target_cost`) and a draft model's or
 draft head's proposal time by batch size (:func:`measure_draft_costs`). While serving, both
-are corrected by what steps and proposals really take (:class:`spec.step_cost.
-ObservedStepCost`, :class:`spec.draft_cost.ObservedDraftCost`)."""
+are corrected by what steps and proposals really take
+(:class:`spec.step_cost.ObservedStepCost`, :class:`spec.draft_cost.ObservedDraftCost`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ CPU are :mod:`kernels.cpu_q4q8`'s). The C source's header (``cpu_q4q8.c``) and t
 by byte.
 
 Every packer checks its shapes (ValueError, or None for :func:`pack_q4k` where the scales do
-not factor as a Q4_K file's) and returns the same weights exactly, rearranged.
+not factor as a Q4_K file's); codes are kept as they are and scales as fp16 (what that
+rounds, per file format: :mod:`kernels.cpu_q4q8`'s docstring).
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ checkpoint's tensor names map onto the fused parameters (q/k/v stacked in ``qkv`
 (packing a file's Q4/Q6_K/Q8_0 blocks for :mod:`kernels.cpu_q4q8` or torch's int4 kernel,
 Qwen's fused matrices whose parts come in two formats, the move onto 2 MiB pages).
 
-Pure functions of their arguments; the model calls them when it loads (``load_weights``,
-``attach_int4_weights``) and when it binds its layers to the native kernel.
+Functions of their arguments (only :func:`onto_huge_pages` changes them: it rebinds the
+linears' 4-bit copies to the moved tensors); the model calls them when it loads
+(``load_weights``, ``attach_int4_weights``), its layers when they multiply and when they
+bind to the native kernel.
 """
 
 from __future__ import annotations
