@@ -46,51 +46,27 @@ rejection sampler verifies against the target exactly.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
 from quickdraft.engine.backend import KernelBackend, synchronize
 from quickdraft.engine.kv_cache import kv_bytes_per_block
 from quickdraft.engine.models.llama import LlamaForCausalLM
-from quickdraft.engine.models.llama_layers import Linear
-from quickdraft.engine.models.llama_weights import StackedWeight
 from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
 from quickdraft.engine.sampling_params import SamplingParams
 from quickdraft.engine.step_plan import StepPlan
-from quickdraft.kernels import cpu_fused, cpu_int4, cpu_layer, cpu_q4q8
+from quickdraft.kernels import cpu_fused, cpu_layer
 from quickdraft.kernels.attention_metadata import AttentionMetadata
 from quickdraft.spec.draft_head import DraftHead
+from quickdraft.spec.draft_head_linears import (
+    native_forward_weights,
+    native_layer_weights,
+    put_on_target_kernels,
+)
 from quickdraft.spec.head_search import CHILDREN, HeadInput, HeadOutput, HeadSearch
 from quickdraft.spec.token_tree import TokenTree
 
-__all__ = ["DraftHeadRunner", "HeadInput", "HeadLinear", "HeadOutput"]
-
-HEAD_LINEARS = ("fc", "qkv", "o", "gate_up", "down", "lm_head")
-INT4_MAX_ROWS = 4  # torch's int4 CPU kernel costs ~a GEMV per row: dense beyond this
-# (the q4q8 kernel unpacks each 4-bit block once for 8 rows: it takes every row count)
-
-
-class HeadLinear(torch.nn.Module):
-    """One of the head's matrices on the fastest kernel for the row count: its 4-bit copy
-    for the few rows of drafting rounds, the dense weight (bf16 GEMV kernel or torch) for
-    catch-ups after a prefill. Rows need not be batch-invariant here: drafts are verified."""
-
-    def __init__(self, weight: torch.Tensor,
-                 int4: cpu_int4.Int4Weight | cpu_q4q8.Q4Q8Weight | None, gemv: Any) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)  # [out, in]
-        self.int4 = int4
-        self.gemv = gemv  # (x, weight, bias) -> y, or None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-        if isinstance(self.int4, cpu_q4q8.Q4Q8Weight):
-            return cpu_q4q8.linear(x, self.int4)
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            return cpu_int4.linear(x, self.int4)
-        if self.gemv is not None:
-            return self.gemv(x, self.weight, None)
-        return torch.nn.functional.linear(x, self.weight)
+__all__ = ["DraftHeadRunner", "HeadInput", "HeadOutput"]
 
 
 class DraftHeadRunner:
@@ -113,7 +89,7 @@ class DraftHeadRunner:
         c = head.config
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim ** -0.5
-        self.kernel = self._use_target_kernels(target)
+        self.kernel = put_on_target_kernels(self.head, target)
         # the target's small ops (fused CPU kernels where it uses them): a head forward is
         # ~40 small ops, so their per-call cost is most of a proposal's
         self.head.rms_norm = target.ops.rms_norm
@@ -121,62 +97,10 @@ class DraftHeadRunner:
         self.rope = target.ops.rope
         # the layer in one native call (kernels.cpu_layer.head_layer) where the target runs
         # its own layers natively on q4q8 weights; None: the Python layer
-        self.native = self._native_weights(target)
+        self.native = native_layer_weights(self.head, self.kernel, target)
         # ... and the whole forward (fc, the gathers, the layer, the LM head:
         # kernels.cpu_layer.head_forward) where fc and the LM head have q4q8 copies too
-        self.native_forward = self._native_forward_weights()
-
-    def _use_target_kernels(self, target: LlamaForCausalLM) -> str:
-        """Run the head's matrices the way the target runs its own (chosen by measurement at
-        start-up, :mod:`engine.weight_format`): when the target's layers use 4-bit weights,
-        the head multiplies by 4-bit copies (rounded here, Q4_1-style: ~4 MB read a forward
-        instead of ~15) on the same kernel: q4q8 for every row count, torch's int4 kernel
-        for drafting rounds (<= ``INT4_MAX_ROWS`` rows); other rows go through the bf16
-        GEMV kernel when the target uses it, else plain torch. Lossless either way: drafts
-        are verified. Returns the kernel's name ("int4-q8", "int4", "gemv" or "torch")."""
-        ref = next((m for m in target.layers.modules() if isinstance(m, Linear)), None)
-        if ref is None or (not ref.use_int4 and ref.gemv is None):
-            return "torch"
-        q8 = ref.use_int4 and isinstance(ref.int4, (*cpu_q4q8.LAYER_WEIGHTS, StackedWeight))
-        kind = ("int4-q8" if q8 else "int4") if ref.use_int4 else "gemv"
-        module = cpu_q4q8 if q8 else cpu_int4
-        for name in HEAD_LINEARS:
-            weight = getattr(self.head, name).weight.detach()
-            int4 = (module.pack(*cpu_int4.quantize(weight))
-                    if kind != "gemv" and module.supports(*weight.shape) else None)
-            setattr(self.head, name, HeadLinear(weight, int4, ref.gemv))
-        return kind
-
-    def _native_weights(self, target: LlamaForCausalLM) -> list[torch.Tensor] | None:
-        """The weight list of :func:`kernels.cpu_layer.head_layer`, when the target's layers
-        run natively on q4q8 weights (bf16 on the CPU) and the head's four layer matrices
-        have q4q8 copies; else None. (Not on torch's int4 kernel: the native rounds recompute
-        every fed node, and that kernel costs about a GEMV per row.)"""
-        head = self.head
-        linears = [head.qkv, head.o, head.gate_up, head.down]
-        if self.kernel != "int4-q8" or not any(
-                getattr(layer, "native", None) is not None for layer in target.layers) \
-                or not all(isinstance(lin, HeadLinear) and isinstance(
-                    lin.int4, cpu_q4q8.Q4Q8Weight) for lin in linears):
-            return None
-        parts = [cpu_q4q8.native_parts(w) for w in (lin.int4 for lin in linears)
-                 if isinstance(w, cpu_q4q8.Q4Q8Weight)]
-        return cpu_layer.head_layer_weights(head.input_norm.detach(), head.hidden_norm.detach(),
-                                            parts[0], parts[1], head.post_norm.detach(),
-                                            parts[2], parts[3])
-
-    def _native_forward_weights(self) -> list[torch.Tensor] | None:
-        """:func:`kernels.cpu_layer.head_forward`'s weight list: the layer's, the final
-        norm, the LM head's q4q8 parts and fc's; None without the native layer or those
-        copies."""
-        head = self.head
-        if self.native is None or not all(
-                isinstance(lin, HeadLinear) and isinstance(lin.int4, cpu_q4q8.Q4Q8Weight)
-                for lin in (head.lm_head, head.fc)):
-            return None
-        lm_head, fc = (cpu_q4q8.native_parts(w) for w in (head.lm_head.int4, head.fc.int4)
-                       if isinstance(w, cpu_q4q8.Q4Q8Weight))
-        return [*self.native, head.norm.detach(), *lm_head, *fc]
+        self.native_forward = native_forward_weights(self.head, self.native)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
