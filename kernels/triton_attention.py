@@ -33,8 +33,8 @@ Kernels (see docs/kernels.md for the blocking):
   valid mask never widens). The key range, the tiles and the splits stay the causal ones: a
   tree row's own position bounds what it sees, and a tile or split it sees nothing of is an
   exact no-op (it always sees itself somewhere).
-* ``_write_kv_kernel``: one program per new token scatters its K and V rows
-  (``[num_kv_heads, head_dim]``) into ``slot_mapping[token]``; negative slots are skipped.
+* the KV write (``write_kv``, re-exported from :mod:`kernels.triton_kv_write`): one program
+  per new token scatters its K and V rows into ``slot_mapping[token]``.
 
 Importing this module never fails: without triton, :func:`available` is False and the entry
 points raise. Triton reads ``TRITON_INTERPRET`` when the kernels are *defined* (at import),
@@ -54,10 +54,12 @@ from quickdraft.kernels.triton_common import (
     dot,
     jit,
     next_pow2,
+    on_device,
     require,
     round_to,
     tl,
 )
+from quickdraft.kernels.triton_kv_write import write_kv
 
 __all__ = [
     "AttentionMetadata",
@@ -252,39 +254,8 @@ def _reduce_splits_kernel(
              round_to(o, out_ptr.dtype.element_ty, INTERP), mask=d_ok)
 
 
-@jit
-def _write_kv_kernel(
-    key_ptr, value_ptr, kv_ptr, slot_mapping_ptr, block_size,
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kv, stride_cb, stride_cs, stride_ch, stride_cd,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, INTERP: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # padding token (e.g. a CUDA-graph batch larger than the step)
-        return
-    h = tl.arange(0, HEADS_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
-    k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :] * stride_kd,
-                mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :] * stride_vd,
-                mask=mask)
-    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs \
-        + h[:, None] * stride_ch + d[None, :] * stride_cd
-    elem = kv_ptr.dtype.element_ty
-    tl.store(kv_ptr + dst, round_to(k, elem, INTERP), mask=mask)
-    tl.store(kv_ptr + stride_kv + dst, round_to(v, elem, INTERP), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------
 # entry points
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def attention_config(dtype: torch.dtype, head_dim: int, group: int, max_query_len: int,
@@ -357,7 +328,7 @@ def paged_attention_varlen(
         if tree_mask.dtype != torch.int64 or tuple(tree_mask.shape) != (num_tokens,):
             raise ValueError(f"tree_mask {tree_mask.dtype} {tuple(tree_mask.shape)}: expected "
                              f"int64 [{num_tokens}]")
-        tree_mask = _on(tree_mask, query.device)
+        tree_mask = on_device(tree_mask, query.device)
         if tree_mask.stride(0) != 1:
             tree_mask = tree_mask.contiguous()
     # the mask pointer is never read without HAS_TREE: any tensor stands in for it
@@ -420,26 +391,3 @@ def paged_attention(
         query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
         max_query_len=meta.max_query_len, num_splits=num_splits, block_m=block_m,
         block_n=block_n, tree_mask=meta.tree_mask)
-
-
-def write_kv(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], any strides
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], any strides
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int (negative = skip)
-) -> None:
-    """:func:`kernels.torch_attention.write_kv`: scatter the new tokens' K/V into their
-    cache slots (cast to the cache dtype)."""
-    require("quickdraft.kernels.triton_attention")
-    num_tokens, kv_heads, head_dim = key.shape
-    if value.shape != key.shape or kv_cache.shape[3:] != key.shape[1:]:
-        raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit "
-                         f"kv_cache {tuple(kv_cache.shape)}")
-    if num_tokens == 0:
-        return
-    slot_mapping = _on(slot_mapping, kv_cache.device)
-    _write_kv_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping, kv_cache.shape[2],
-        *key.stride(), *value.stride(), *kv_cache.stride(),
-        NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=next_pow2(kv_heads), HEAD_DIM_PAD=next_pow2(head_dim), INTERP=INTERPRET)

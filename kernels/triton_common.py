@@ -1,4 +1,5 @@
-"""What the Triton kernel modules share: the optional import of triton, and rounding helpers.
+"""What the Triton kernel modules share: the optional import of triton, rounding helpers,
+moving a tensor to a device.
 
 Importing this module never fails: without triton, :data:`triton` is None, :data:`tl` is a
 stub with just enough of ``triton.language`` to *define* the kernels (their annotations), and
@@ -11,7 +12,10 @@ imported. :data:`INTERPRET` records the mode the kernels were defined in.
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 try:  # triton is optional: the CPU engine never needs it
     import triton
@@ -35,6 +39,11 @@ except ImportError:  # pragma: no cover - exercised only without triton
 
     def jit(fn: Any = None, **_: Any) -> Any:
         return fn if fn is not None else (lambda f: f)
+
+
+def on_device(t: "torch.Tensor", device: "torch.device") -> "torch.Tensor":
+    """``t`` on ``device`` (copied without blocking the host where it is elsewhere)."""
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def available() -> bool:

@@ -32,7 +32,12 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from quickdraft.kernels import triton_attention as ta, triton_ops as ops, triton_rejection as tr
+from quickdraft.kernels import (
+    triton_attention as ta,
+    triton_kv_write as kw,
+    triton_ops as ops,
+    triton_rejection as tr,
+)
 
 assert not ta.interpreting()
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
@@ -106,7 +111,7 @@ for cap in (80, 90):
                             {"default": "fp32", "out_ptr": "bf16"},
                             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=16, INTERP=False),
                             {}))
-    results.append(compile_("write_kv bf16 KVH=8 D=128", ta._write_kv_kernel, cap,
+    results.append(compile_("write_kv bf16 KVH=8 D=128", kw._write_kv_kernel, cap,
                             {"default": "bf16", "slot_mapping_ptr": "i64"},
                             dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, HEAD_DIM_PAD=128,
                                  INTERP=False), {}))
