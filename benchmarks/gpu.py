@@ -75,6 +75,7 @@ from common import (
 from quickdraft.engine import loader
 from quickdraft.engine.backend import KernelBackend, select_backend
 from quickdraft.engine.config import DTYPES, KERNEL_BACKENDS, ConfigError, EngineConfig
+from quickdraft.engine.hf_model_dir import dtype_kwarg
 from quickdraft.engine.model_runner import ModelRunner
 from quickdraft.engine.models.llama_layers import ModelShape
 
@@ -332,21 +333,13 @@ def quickdraft_row(name: str, label: str, backend: str, graph: bool, batch: int,
 # ---------------------------------------------------------------------- HF
 
 
-def _dtype_kwarg() -> str:
-    """transformers >= 4.56 calls the dtype argument ``dtype``; older ones ``torch_dtype``."""
-    import transformers
-
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-
-
 def build_hf(hf_config: Any, model_dir: Path | None, device: torch.device,
              dtype: torch.dtype) -> Any:
     """The HF model: from the checkpoint, or randomly initialised directly on ``device`` (no
     slow CPU initialisation of an 8B model)."""
     from transformers import AutoModelForCausalLM
 
-    kw = {_dtype_kwarg(): dtype}
+    kw = {dtype_kwarg(): dtype}
     if model_dir is not None:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
         model.to(device)

