@@ -20,10 +20,10 @@ the KV pool's reference counts match the block tables.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from quickdraft.engine.kv_cache import KVCacheManager
+from quickdraft.engine.priorities import INTERACTIVE, Priorities
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.scheduler_output import (
     RequestUpdate,
@@ -36,12 +36,10 @@ __all__ = ["INTERACTIVE", "RequestUpdate", "ScheduledRequest", "Scheduler", "Sch
            "Speculation"]
 
 
-INTERACTIVE = 0  # priorities <= this are interactive; greater ones are background
-
-
 class Scheduler:
     """``priority_aging_s``: a waiting request's effective priority improves by one level per
-    this many seconds (background work is never starved forever); None = no aging."""
+    this many seconds (background work is never starved forever); None = no aging. It and the
+    two background shares are :class:`engine.priorities.Priorities`' (see there)."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, priority_aging_s: float | None = 30.0,
@@ -53,21 +51,13 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.priority_aging_s = priority_aging_s
-        # While interactive work runs, background requests share at most this many tokens of
-        # each step (default 0: they pause; on a compute-bound CPU every extra row slows every
-        # interactive token). Aging lifts a long-waiting background request into the
-        # interactive class, so the batch job always progresses.
-        self.max_background_tokens_with_interactive = max_background_tokens_with_interactive
-        # Without interactive work, background steps stay short anyway, so that an arriving
-        # interactive request never waits long for the step in flight to finish.
-        self.max_background_tokens_per_step = max_background_tokens_per_step
-        self._background_budget = 0  # this step's background tokens left (set in schedule)
+        # effective priorities (aging) and the background share of each step
+        self.priorities = Priorities(priority_aging_s, max_background_tokens_with_interactive,
+                                     max_background_tokens_per_step)
         self.waiting: list[Request] = []  # ordered by (effective priority, arrival)
         self.running: list[Request] = []  # ordered likewise at every schedule()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._now = time.monotonic()
 
     @property
     def has_unfinished(self) -> bool:
@@ -97,13 +87,6 @@ class Scheduler:
             finished.append(request)
         return finished
 
-    def _key(self, request: Request) -> tuple[float, float]:
-        """(effective priority, arrival): lower runs first."""
-        priority: float = request.priority
-        if self.priority_aging_s:
-            priority -= (self._now - request.arrival_time) // self.priority_aging_s
-        return priority, request.arrival_time
-
     def schedule(self) -> SchedulerOutput:
         """This step's batch: who runs, with how many tokens and drafts, slots reserved.
 
@@ -117,13 +100,10 @@ class Scheduler:
         4. admit waiting requests with what is left;
         5. the draft model drafts into the slots reserved for it.
         """
-        self._now = time.monotonic()
-        self.waiting.sort(key=self._key)
-        self.running.sort(key=self._key)
+        self.priorities.start_step((*self.running, *self.waiting))
+        self.waiting.sort(key=self.priorities.key)
+        self.running.sort(key=self.priorities.key)
         preempted: list[str] = []
-        interactive = any(r.priority <= INTERACTIVE for r in (*self.running, *self.waiting))
-        self._background_budget = (self.max_background_tokens_with_interactive if interactive
-                                   else self.max_background_tokens_per_step)
         chosen, budget = self._choose_running(self.max_num_batched_tokens)
         budget -= self._plan_drafts(chosen, budget)
         steps: list[tuple[Request, int]] = []
@@ -145,21 +125,21 @@ class Scheduler:
     def _choose_running(self, budget: int) -> tuple[list[tuple[Request, int, int]], int]:
         """The running requests this step runs, in order, with their plain tokens and their
         cap (tokens they may take in all); and the budget left. Allocates nothing."""
-        urgent = self._key(self.waiting[0])[0] if self.waiting else None
+        urgent = self.priorities.key(self.waiting[0])[0] if self.waiting else None
         chosen: list[tuple[Request, int, int]] = []
         for request in self.running:
             if budget <= 0:
                 break
-            if urgent is not None and self._key(request)[0] > urgent \
+            if urgent is not None and self.priorities.key(request)[0] > urgent \
                     and request.num_tokens - request.num_computed_tokens > 1:
                 continue  # a less urgent prefill yields its budget to waiting work
-            cap = self._cap(request, budget)
+            cap = self.priorities.cap(request, budget)
             if cap == 0:
                 continue  # background paused (keeps its blocks) while interactive work runs
             num_plain = min(request.num_tokens - request.num_computed_tokens, cap)
             chosen.append((request, num_plain, cap))
             budget -= num_plain
-            self._spend(request, num_plain)
+            self.priorities.spend(request, num_plain)
         return chosen, budget
 
     def _plan_drafts(self, chosen: list[tuple[Request, int, int]], budget: int) -> int:
@@ -189,8 +169,7 @@ class Scheduler:
         used = 0
         for request, _, _ in chosen:
             used += request.num_lookahead_tokens
-            if self._key(request)[0] > INTERACTIVE:
-                self._background_budget -= request.num_lookahead_tokens
+            self.priorities.spend(request, request.num_lookahead_tokens)
         assert used <= max(budget, 0), (used, budget)
         return used
 
@@ -208,7 +187,7 @@ class Scheduler:
         kv_pressure = bool(preempted)  # running work already needed preemption this step
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            cap = self._cap(request, budget)
+            cap = self.priorities.cap(request, budget)
             if cap == 0 or request.request_id in preempted:
                 break  # background waits while interactive work has used its share; and
                 # what was preempted this step does not come back in the same step
@@ -221,7 +200,7 @@ class Scheduler:
                 num_new = min(request.num_tokens - request.num_computed_tokens, cap)
                 steps.append((request, num_new))
                 budget -= num_new
-                self._spend(request, num_new)
+                self.priorities.spend(request, num_new)
                 continue
             victim = self._less_urgent_victim(request)
             if victim is None:
@@ -230,22 +209,9 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
             preempted.append(victim.request_id)
-            self.waiting.sort(key=self._key)
+            self.waiting.sort(key=self.priorities.key)
             kv_pressure = False
         return budget
-
-    def _cap(self, request: Request, budget: int) -> int:
-        """Tokens ``request`` may take this step: the budget, or less for background work
-        while interactive work runs."""
-        if self._key(request)[0] <= INTERACTIVE:
-            return budget  # interactive, or background aged into the interactive class
-        # (the share can go below 0: drafts granted to several background requests in one
-        # step may together exceed it; nothing more runs then, and never a negative chunk)
-        return max(min(budget, self._background_budget), 0)
-
-    def _spend(self, request: Request, num_tokens: int) -> None:
-        if self._key(request)[0] > INTERACTIVE:
-            self._background_budget -= num_tokens
 
     def _admit(self, request: Request, budget: int) -> bool:
         """Allocate the waiting head's first chunk, starting after its cached prefix."""
@@ -266,9 +232,9 @@ class Scheduler:
 
     def _less_urgent_victim(self, request: Request) -> Request | None:
         """The least urgent, newest running request less urgent than ``request``."""
-        key = self._key(request)[0]
+        key = self.priorities.key(request)[0]
         for victim in reversed(self.running):
-            if self._key(victim)[0] > key:
+            if self.priorities.key(victim)[0] > key:
                 return victim
         return None
 

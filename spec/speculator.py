@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from quickdraft.engine.kv_cache import KVCacheManager
+from quickdraft.engine.priorities import INTERACTIVE
 from quickdraft.engine.request import Request, RequestStatus
 from quickdraft.engine.step_plan import StepPlan
 from quickdraft.spec.draft_cost import ObservedDraftCost
@@ -181,7 +182,7 @@ class Speculator:
 
     def _token_weight(self, request: Request) -> float:
         """What one of ``request``'s tokens is worth in the step's rate (background less)."""
-        return 1.0 if request.priority <= 0 else self.policy.background_weight
+        return 1.0 if request.priority <= INTERACTIVE else self.policy.background_weight
 
     def _plan(self, requests: list[Request], rooms: list[int], num_plain_tokens: int,
               budget: int) -> None:

@@ -93,7 +93,7 @@ def test_aging_lets_old_background_work_ahead():
 
 def test_background_shares_only_a_few_tokens_of_interactive_steps():
     s, _ = sched(num_blocks=64, max_seqs=8, budget=64)
-    s.max_background_tokens_with_interactive = 2
+    s.priorities.background_tokens_with_interactive = 2
     for i in range(5):
         s.add_request(make(f"bg{i}", 4, BACKGROUND, arrival=float(i)))
     step(s)
@@ -120,7 +120,7 @@ def test_by_default_background_pauses_while_interactive_runs():
 
 def test_background_steps_stay_short_without_interactive_work():
     s, _ = sched(num_blocks=64, max_seqs=8, budget=64)
-    s.max_background_tokens_per_step = 12
+    s.priorities.background_tokens_per_step = 12
     s.add_request(make("bg", 40, BACKGROUND, arrival=0.0))
     assert [r.num_tokens for r in step(s).requests] == [12]
     s.add_request(make("ia", 40, INTERACTIVE, arrival=1.0))
