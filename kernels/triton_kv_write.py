@@ -11,7 +11,8 @@ num_kv_heads, head_dim]`` (0 = K, 1 = V), slot ``s`` = block ``s // block_size``
 cache's dtype as the reference rounds (``round_to``); negative slots (padding tokens, e.g. a
 CUDA-graph batch larger than the step) are skipped.
 
-Importing this module never fails: without triton the entry point raises.
+Importing this module never fails: without triton, :func:`available` is False and the entry
+point raises.
 """
 
 # No ``from __future__ import annotations`` in the kernel modules: triton reads the
@@ -20,6 +21,7 @@ import torch
 
 from quickdraft.kernels.triton_common import (
     INTERPRET,
+    available,
     jit,
     next_pow2,
     on_device,
@@ -28,7 +30,7 @@ from quickdraft.kernels.triton_common import (
     tl,
 )
 
-__all__ = ["write_kv"]
+__all__ = ["available", "write_kv"]
 
 
 @jit
