@@ -13,8 +13,8 @@ import time
 from quickdraft.engine.kv_cache import KVCacheManager
 from quickdraft.engine.request import Request
 from quickdraft.spec.draft_cost import ObservedDraftCost
-from quickdraft.spec.draft_head_runner import DraftHeadRunner, HeadInput
-from quickdraft.spec.draft_model import DraftInput, DraftModelRunner
+from quickdraft.spec.draft_head_runner import HeadInput
+from quickdraft.spec.draft_model import DraftInput
 from quickdraft.spec.proposals import Proposers
 from quickdraft.spec.stats import SpeculationStats
 
@@ -30,14 +30,6 @@ class ModelDrafting:
         self.kv = kv
         self.stats = stats
         self.draft_cost = draft_cost
-
-    @property
-    def draft_model(self) -> DraftModelRunner | None:
-        return self.proposers.draft_model
-
-    @property
-    def head(self) -> DraftHeadRunner | None:
-        return self.proposers.head
 
     def draft(self, requests: list[Request], chains_only: bool = False) -> None:
         """The draft model (or head) drafts ``spec_state.model_k`` tokens for each of
@@ -60,7 +52,8 @@ class ModelDrafting:
             self.draft_cost.observe(len(requests), depth, seconds)
 
     def _draft_with_model(self, requests: list[Request]) -> None:
-        assert self.draft_model is not None and self.kv is not None
+        draft_model = self.proposers.draft_model
+        assert draft_model is not None and self.kv is not None
         inputs: list[DraftInput] = []
         for request in requests:
             state = request.spec_state
@@ -73,7 +66,7 @@ class ModelDrafting:
                 pending_token_ids=request.token_ids_slice(done, request.num_tokens),
                 start_pos=done, k=state.model_k, block_table=tuple(self.kv.block_table(rid)),
                 sampling_params=request.sampling_params, generator=request.generator))
-        for request, inp, out in zip(requests, inputs, self.draft_model.propose(inputs),
+        for request, inp, out in zip(requests, inputs, draft_model.propose(inputs),
                                      strict=True):
             request.spec_token_ids = out.token_ids
             request.spec_draft_probs = out.probs
@@ -84,7 +77,8 @@ class ModelDrafting:
         """The head's tree (greedy; a chain for sampled requests or in a chains-only step)
         of ``model_k`` nodes per request. It first catches up on the target features of the
         positions verified since its last draft; a request missing them drafts nothing."""
-        assert self.head is not None and self.kv is not None
+        head = self.proposers.head
+        assert head is not None and self.kv is not None
         inputs: list[HeadInput] = []
         owed: list[Request] = []
         for request in requests:
@@ -105,7 +99,7 @@ class ModelDrafting:
                 sampling_params=request.sampling_params, generator=request.generator,
                 tree=not chains_only, max_depth=state.in_flight_depth or None))
             owed.append(request)
-        for request, out in zip(owed, self.head.propose(inputs), strict=True):
+        for request, out in zip(owed, head.propose(inputs), strict=True):
             state = request.spec_state
             request.spec_token_ids = list(out.tree.token_ids)
             request.spec_tree = None if out.tree.is_chain else out.tree
