@@ -23,7 +23,8 @@ import torch
 
 ROOT = Path(__file__).parents[2]
 SUITES = ["tests/kernels/test_cpu_fused.py", "tests/kernels/test_cpu_gemv.py",
-          "tests/kernels/test_cpu_attention.py", "tests/kernels/test_tree_attention.py",
+          "tests/kernels/test_cpu_attention.py", "tests/kernels/test_cpu_ragged_attention.py",
+          "tests/kernels/test_tree_attention.py",
           "tests/kernels/test_cpu_int4.py", "tests/kernels/test_cpu_q4q8.py",
           "tests/kernels/test_cpu_q8q8.py", "tests/kernels/test_cpu_argmax.py",
           "tests/kernels/test_cpu_top_log_softmax.py", "tests/spec/test_tree_verification.py",
