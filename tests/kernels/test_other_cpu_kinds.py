@@ -39,7 +39,8 @@ SUITES = ["tests/kernels/test_cpu_fused.py", "tests/kernels/test_cpu_gemv.py",
 AVX2_ONLY = ["tests/engine/test_batch_invariance.py", "tests/engine/test_int4_weights.py",
              "tests/spec/test_observed_cost.py", "tests/spec/test_lookup_backoff.py",
              "tests/spec/test_tree_engine.py", "tests/spec/test_head_engine.py",
-             "tests/spec/test_shipped_head.py", "tests/engine/test_native_layer.py"]
+             "tests/spec/test_shipped_head.py", "tests/engine/test_native_layer.py",
+             "tests/engine/test_native_stack.py"]
 _ORDER = ["default", "avx2", "avx512"]
 _ONEDNN_ISA = {"avx2": "AVX2", "default": "SSE41"}
 
