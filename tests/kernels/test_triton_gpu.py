@@ -123,7 +123,7 @@ def test_tree_verification_steps(dtype, heads, kv_heads, dim, splits):
     import dataclasses
 
     from quickdraft.kernels import triton_attention as ta
-    from tests.kernels.test_triton_attention import masked_reference, random_tree, tree_masks
+    from tests.kernels.tree_attention_oracle import masked_reference, random_tree, tree_masks
 
     rng = random.Random(heads + dim)
     trees = [random_tree(64, rng)] + [random_tree(rng.randint(2, 40), rng) for _ in range(7)]
