@@ -1,6 +1,6 @@
-"""benchmarks/gpu.py: the byte counts behind its bandwidth floor, a CPU smoke run of the whole
-script (tiny model, torch backend, HF baseline, JSON + PNG), and on a real GPU the default
-model with the triton backend and CUDA graphs."""
+"""benchmarks/gpu.py: the byte counts behind its bandwidth floor (gpu_models.py), a CPU smoke
+run of the whole script (tiny model, torch backend, HF baseline, JSON + PNG), and on a real GPU
+the default model with the triton backend and CUDA graphs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ import torch
 
 from quickdraft.engine.models.llama_layers import ModelShape
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPT = BENCH / "gpu.py"
+sys.path.insert(0, str(BENCH))
+
+import gpu_models  # noqa: E402
 
 
 def _load_script() -> ModuleType:
@@ -31,8 +35,8 @@ gpu = _load_script()
 
 
 def test_weight_bytes_llama_8b_shape():
-    shape = ModelShape.from_config(gpu.model_config("llama-8b")[0])
-    w = gpu.weight_bytes_per_step(shape, 2)
+    shape = ModelShape.from_config(gpu_models.model_config("llama-8b")[0])
+    w = gpu_models.weight_bytes_per_step(shape, 2)
     assert w["num_parameters"] == 8_030_261_248  # Llama 3.1 8B
     assert w["parameter_bytes"] == pytest.approx(16.06e9, rel=1e-3)
     embedding = 128256 * 4096
@@ -44,19 +48,19 @@ def test_weight_bytes_llama_8b_shape():
 
 
 def test_weight_bytes_tied_counts_the_matrix_once():
-    shape = ModelShape.from_config(gpu.model_config("llama-1b")[0])
-    w = gpu.weight_bytes_per_step(shape, 2)
+    shape = ModelShape.from_config(gpu_models.model_config("llama-1b")[0])
+    w = gpu_models.weight_bytes_per_step(shape, 2)
     assert w["tied_embedding"]
     assert w["num_parameters"] == w["num_parameters_per_step"] == 1_235_814_400  # Llama 3.2 1B
-    assert gpu.weight_bytes_per_step(shape, 4)["bytes_per_step"] == 2 * w["bytes_per_step"]
+    assert gpu_models.weight_bytes_per_step(shape, 4)["bytes_per_step"] == 2 * w["bytes_per_step"]
 
 
 def test_kv_bytes_and_floor():
-    shape = ModelShape.from_config(gpu.model_config("llama-8b")[0])
+    shape = ModelShape.from_config(gpu_models.model_config("llama-8b")[0])
     # batch x (context + width) x layers x (K and V) x kv_heads x head_dim x 2 bytes
-    assert gpu.kv_bytes_per_step(shape, 1, 512, 1, 2) == 513 * 32 * 2 * 8 * 128 * 2
-    assert gpu.kv_bytes_per_step(shape, 8, 512, 5, 2) == 8 * 517 * 32 * 2 * 8 * 128 * 2
-    assert gpu.floor_seconds(2_000_000_000, 1_000_000_000, 3000.0) == pytest.approx(1e-3)
+    assert gpu_models.kv_bytes_per_step(shape, 1, 512, 1, 2) == 513 * 32 * 2 * 8 * 128 * 2
+    assert gpu_models.kv_bytes_per_step(shape, 8, 512, 5, 2) == 8 * 517 * 32 * 2 * 8 * 128 * 2
+    assert gpu_models.floor_seconds(2_000_000_000, 1_000_000_000, 3000.0) == pytest.approx(1e-3)
 
 
 def test_cpu_smoke_run(tmp_path: Path):

@@ -16,6 +16,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import serve_bench_ray as sbr  # noqa: E402
+import serve_bench_ray_load as sbr_load  # noqa: E402
+import serve_bench_ray_report as sbr_report  # noqa: E402
 
 
 def _rec(transport: str, replica: str, ttft: float, session: int = -1, turn: int = 0,
@@ -42,28 +44,28 @@ def test_report_from_a_result(tmp_path):
               "ray-2": [_round(["b", "c"], 0.11, 0.7)] * 2}
     probes = {f"{n}/{tr}": [_rec(tr, "x", ttft) for _ in range(3)]
               for n, ttft in (("plain", 0.05), ("ray-1", 0.07)) for tr in ("ws", "http")}
-    summary = {n: sbr.summarize_config(r) for n, r in rounds.items()}
+    summary = {n: sbr_report.summarize_config(r) for n, r in rounds.items()}
     assert summary["plain"]["hit_rate"] == pytest.approx(0.8)
     assert summary["ray-2"]["requests_per_replica"] == [6, 4]  # the HTTP calls on b
     assert summary["ray-2"]["sticky_sessions"] == 0.0  # every session moved between turns
     assert summary["ray-1"]["sticky_sessions"] == 1.0
-    over = sbr.overheads(rounds, probes)
+    over = sbr_report.overheads(rounds, probes)
     assert [(o["where"][:5], o["transport"]) for o in over] == [
         ("probe", "ws"), ("probe", "http"), ("chat ", "ws"), ("chat ", "http")]
     assert over[0]["paired_ttft_added_ms"] == pytest.approx(20.0)
     assert over[2]["paired_tpot_ratio"] == pytest.approx(1.2)
     result = {"summary": summary, "overhead": over}
-    text = sbr.tables(result)
+    text = sbr_report.tables(result)
     assert "| ray-2 | 2 | on | 10 | 0 |" in text and "70.0%" in text and "6/4" in text
-    sbr.plot(result, tmp_path / "r.png")
+    sbr_report.plot(result, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 10_000
 
 
 def test_system_prompts_are_long_distinct_and_tagged():
-    prompts = sbr.system_prompts(3, 120, "t1")
+    prompts = sbr_load.system_prompts(3, 120, "t1")
     assert len(set(prompts)) == 3 and all(len(p.split()) >= 120 for p in prompts)
     assert all(p.startswith("Deployment t1,") for p in prompts)
-    assert sbr.system_prompts(3, 120, "t2")[0] != prompts[0]  # a fresh tag: a cold prefix
+    assert sbr_load.system_prompts(3, 120, "t2")[0] != prompts[0]  # a fresh tag: a cold prefix
 
 
 def test_a_tiny_run(tiny_model_dir, tmp_path):
