@@ -42,15 +42,11 @@ import asyncio
 import contextlib
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common`, also under `python -m`
@@ -65,6 +61,7 @@ from common import (
     save_figure,
     write_json,
 )
+from local_server import free_port, stop_server, wait_healthy
 from serve_bench_load import CLASSES, JSONDict, Request, build_workload, idle_sockets, sweep
 
 from quickdraft.engine.async_engine import AsyncLLM
@@ -78,12 +75,6 @@ ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_seqs
 
 
 # ---------------------------------------------------------------------- server process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -105,25 +96,10 @@ def server_process(args: argparse.Namespace) -> Iterator[tuple[str, list[str]]]:
                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + args.server_timeout
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start (exit code {proc.poll()})")
-            time.sleep(0.25)
+        wait_healthy(url, args.server_timeout, proc)
         yield url, cmd
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
+        stop_server(proc)
 
 
 # ---------------------------------------------------------------------- report

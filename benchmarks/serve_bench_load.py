@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import orjson
 from common import fmt, percentiles
+from local_server import sse_chunks
 from websockets.asyncio.client import connect
 
 from quickdraft.client import AsyncClient, Backoff
@@ -181,10 +182,7 @@ async def http_send(http: httpx.AsyncClient, p: Params, req: Request, rec: Recor
         if r.status_code != 200:
             rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
             return
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
+        async for chunk in sse_chunks(r):
             if "error" in chunk:
                 rec.error = str(chunk["error"])[:300]
                 return

@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common`, also under
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's packages
 
 from common import RESULTS_DIR, fmt, machine_info, machine_summary, write_json
+from local_server import wait_healthy
 from serve_bench_ray_load import (
     JSONDict,
     Params,
@@ -84,7 +85,6 @@ from serve_bench_ray_servers import (
     plain_counters,
     plain_server,
     ray_apps,
-    wait_healthy,
 )
 
 from quickdraft.server.cli import add_engine_args

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
-import orjson
+from local_server import sse_chunks
 
 from quickdraft.client import AsyncClient, Backoff
 
@@ -205,10 +205,7 @@ async def http_call(http: httpx.AsyncClient, messages: list[dict[str, str]], p: 
                 rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return
             rec.replica = r.headers.get(REPLICA_HEADER, "local")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = orjson.loads(line[6:])
+            async for chunk in sse_chunks(r):
                 if "error" in chunk:
                     rec.error = str(chunk["error"])[:300]
                     return

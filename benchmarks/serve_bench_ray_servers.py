@@ -10,15 +10,14 @@ import contextlib
 import logging
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+from local_server import free_port, stop_server, wait_healthy
 from serve_bench_ray_load import Target
 
 from quickdraft.server.serve import serve_engine_config
@@ -28,30 +27,6 @@ CONFIGS: dict[str, tuple[int, bool | None]] = {  # name: (engine replicas, affin
 ENGINE_FLAGS = ("model", "dtype", "block_size", "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "seed", "speculation",
                 "num_speculative_tokens", "num_threads")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def wait_healthy(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not healthy(url):
-        if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
-            raise SystemExit(f"{url} did not become healthy (exit code "
-                             f"{proc.poll() if proc else None})")
-        time.sleep(0.25)
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -73,11 +48,7 @@ def plain_server(args: argparse.Namespace) -> Iterator[tuple[str, subprocess.Pop
     try:
         yield f"http://127.0.0.1:{port}", proc, cmd
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 @contextlib.contextmanager
