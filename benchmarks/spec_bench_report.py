@@ -215,7 +215,8 @@ def report(args: argparse.Namespace, info: dict[str, Any], engine: LLMEngine,
             "draft_model": cfg.draft_model, "methods": args.methods,
             "draft_head": cfg.draft_head,
             "suffix_corpus": _corpus_info(engine),
-            "dtype": args.dtype, "concurrency": concs, "max_tokens": n,
+            "dtype": args.dtype, "concurrency": concs,
+            "closed_loop": getattr(args, "closed_loop", 0), "max_tokens": n,
             "repeats": repeats, "repeats_requested": args.repeats, "categories": cats,
             "greedy": True, "ignore_eos": False,
             "prompts_file": str(args.prompts),
@@ -234,7 +235,8 @@ def report(args: argparse.Namespace, info: dict[str, Any], engine: LLMEngine,
         },
         "metrics": {
             "tok_s": "generated tokens of the category's batch / its wall time "
-                     "(C=1: prompts one at a time, times summed)",
+                     "(C=1: prompts one at a time, times summed; with closed_loop N > 0 at "
+                     "C > 1: N requests, C in flight, a finished one replaced at once)",
             "speedup": f"median over {repeats} repeats of method tok/s / off tok/s, "
                        "run back to back, order alternating",
             "paired_speedup": "those paired ratios: median, min, max (the table's repeats' "
@@ -258,8 +260,10 @@ def report(args: argparse.Namespace, info: dict[str, Any], engine: LLMEngine,
     json_path = write_json(data, out_dir / f"{stem}.json")
     png_path = out_dir / f"{stem}.png"
     name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+    loop = getattr(args, "closed_loop", 0)
+    mode = f", closed loop of {loop} requests at C > 1" if loop else ""
     plot(rows, png_path, f"speculation speed-up, {name} {args.dtype}, greedy, max {n} tokens"
-         f"\n{info['cpu_model']}, {info['usable_cores']} cores", args.plot)
+         f"{mode}\n{info['cpu_model']}, {info['usable_cores']} cores", args.plot)
     if final:
         print(f"wrote {json_path} and {png_path}\n", file=sys.stderr)
         print(table(rows))
