@@ -75,3 +75,11 @@ def test_closed_loop_flag_is_validated() -> None:
     assert spec_bench.parse_args([]).closed_loop == 0
     with pytest.raises(SystemExit):
         spec_bench.parse_args(["--closed-loop", "-1"])
+
+
+def test_one_batch_is_the_closed_loop_with_every_request_in_flight() -> None:
+    engine = _ScriptedEngine()
+    run = spec_bench.run_batch(engine, [[0] * n for n in (2, 4, 1)],  # type: ignore[arg-type]
+                               SamplingParams(max_tokens=8), "b", "off")
+    assert engine.most_in_flight == 3
+    assert [len(t) for t in run["tokens"]] == [2, 4, 1]
