@@ -1,90 +1,19 @@
-"""Tests for engine.sampler against plain reference computations written here."""
+"""Tests for engine.sampler (greedy, penalties, filters, logprobs) against the plain-loop
+references in sampler_oracle.py; seeded draws and distributions: test_sampler_draws.py."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from quickdraft.engine.sampler import (
-    SamplingBatch,
-    apply_penalties,
-    apply_temperature_and_filters,
-    sample,
-    sample_from_probs,
-)
+from quickdraft.engine.sampler import apply_penalties, apply_temperature_and_filters, sample
 from quickdraft.engine.sampling_params import SamplingParams
-
-NEG_INF = float("-inf")
-
-
-def make_batch(
-    params: list[SamplingParams],
-    prompts: list[list[int]] | None = None,
-    outputs: list[list[int]] | None = None,
-    generators: list[torch.Generator | None] | None = None,
-    default_generator: torch.Generator | None = None,
-) -> SamplingBatch:
-    n = len(params)
-    return SamplingBatch(
-        params=params,
-        generators=generators if generators is not None else [None] * n,
-        prompt_token_ids=prompts if prompts is not None else [[] for _ in range(n)],
-        output_token_ids=outputs if outputs is not None else [[] for _ in range(n)],
-        default_generator=default_generator,
-    )
-
-
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-# ---------------------------------------------------------------------------------------
-# Reference computations (plain loops)
-# ---------------------------------------------------------------------------------------
-
-
-def reference_penalties(
-    row: list[float], p: SamplingParams, prompt: list[int], output: list[int],
-) -> list[float]:
-    out = list(row)
-    seen = set(prompt) | set(output)
-    for tok in range(len(out)):
-        if p.repetition_penalty != 1.0 and tok in seen:
-            v = out[tok]
-            out[tok] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
-        count = output.count(tok)
-        out[tok] -= p.frequency_penalty * count + (p.presence_penalty if count > 0 else 0.0)
-    return out
-
-
-def reference_filter(row: list[float], t: float, k: int, p: float, min_p: float) -> list[float]:
-    """Temperature, then top-k, then top-p over the renormalised survivors, then min-p."""
-    x = [v / t for v in row]
-    order = sorted(range(len(x)), key=lambda i: -x[i])
-    keep = order[:k] if 0 < k < len(x) else order
-    if p < 1.0:
-        z = sum(math.exp(x[i]) for i in keep)
-        chosen, mass = [], 0.0
-        for i in keep:
-            if mass >= p:
-                break
-            chosen.append(i)
-            mass += math.exp(x[i]) / z
-        keep = chosen
-    top = max(x)
-    # prob_i / prob_max = exp(x_i - x_max) computed on the unfiltered distribution
-    kept = {i for i in keep if math.exp(x[i] - top) >= min_p}
-    return [x[i] if i in kept else NEG_INF for i in range(len(x))]
-
-
-def reference_probs(row: list[float], t: float, k: int, p: float, min_p: float) -> list[float]:
-    x = reference_filter(row, t, k, p, min_p)
-    m = max(x)
-    e = [math.exp(v - m) if v != NEG_INF else 0.0 for v in x]
-    return [v / sum(e) for v in e]
+from tests.engine.sampler_oracle import (
+    make_batch,
+    reference_filter,
+    reference_penalties,
+    seeded,
+)
 
 
 def run_filters(logits: torch.Tensor, rows: list[tuple[float, int, float, float]]) -> torch.Tensor:
@@ -276,104 +205,6 @@ def test_min_p_one_keeps_only_the_max() -> None:
     logits = torch.tensor([[0.5, 2.0, 1.9, -1.0]])
     got = run_filters(logits, [(1.0, 0, 1.0, 1.0)])
     assert torch.isinf(got).tolist() == [[True, False, True, True]]
-
-
-# ---------------------------------------------------------------------------------------
-# Seeded reproducibility
-# ---------------------------------------------------------------------------------------
-
-
-def _draw_sequence(seed: int, steps: list[torch.Tensor], with_others: bool) -> list[int]:
-    """Sample our request (row of ``steps``) for several steps, alone or in a batch."""
-    params = SamplingParams(temperature=1.5, top_p=0.95, seed=seed)
-    gen = seeded(seed)
-    others = [SamplingParams(temperature=0.8, top_k=7), SamplingParams(temperature=0.0),
-              SamplingParams(temperature=1.0, seed=99, frequency_penalty=0.5)]
-    other_gens = [None, None, seeded(99)]
-    tokens: list[int] = []
-    for step, logits in enumerate(steps):
-        if not with_others:
-            out = sample(logits[:1], make_batch([params], generators=[gen]))
-            tokens.append(int(out.token_ids[0]))
-            continue
-        batch_logits = torch.cat([logits[1:2], logits[:1], logits[2:]])  # ours is row 1
-        batch = make_batch([others[0], params, *others[1:]],
-                           generators=[other_gens[0], gen, *other_gens[1:]],
-                           outputs=[[], [], [], [step, 3]])
-        tokens.append(int(sample(batch_logits, batch).token_ids[1]))
-    return tokens
-
-
-def test_seeded_request_reproducible_alone_or_batched() -> None:
-    steps = [torch.randn(4, 1000, generator=seeded(10 + s)) * 0.3 for s in range(6)]
-    alone = _draw_sequence(1234, steps, with_others=False)
-    assert alone == _draw_sequence(1234, steps, with_others=False)
-    assert alone == _draw_sequence(1234, steps, with_others=True)
-    assert alone != _draw_sequence(4321, steps, with_others=False)
-
-
-def test_sample_from_probs_rows_depend_only_on_their_generator() -> None:
-    probs = torch.softmax(torch.randn(3, 500, generator=seeded(5)), dim=-1)
-    alone = sample_from_probs(probs[1:2], [seeded(42)])
-    batched = sample_from_probs(probs, [None, seeded(42), seeded(7)], seeded(0))
-    assert batched[1] == alone[0]
-    with pytest.raises(ValueError):
-        sample_from_probs(probs, [None])
-
-
-def test_default_generator_makes_unseeded_rows_reproducible() -> None:
-    logits = torch.randn(6, 200, generator=seeded(6))
-    params = [SamplingParams(temperature=1.0)] * 6
-    a = sample(logits, make_batch(params, default_generator=seeded(3))).token_ids
-    b = sample(logits, make_batch(params, default_generator=seeded(3))).token_ids
-    assert torch.equal(a, b)
-
-
-# ---------------------------------------------------------------------------------------
-# Statistics
-# ---------------------------------------------------------------------------------------
-
-STAT_LOGITS = [1.2, 0.3, -0.5, 2.0, 0.0, -1.5, 0.8, 1.6]
-
-
-@pytest.mark.parametrize(
-    "row",
-    [(1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (2.5, 0, 1.0, 0.0), (1.5, 3, 1.0, 0.0),
-     (1.0, 0, 0.8, 0.0), (1.2, 5, 0.7, 0.0), (1.0, 0, 1.0, 0.3)],
-    ids=["t1", "t0.6", "t2.5", "top-k", "top-p", "top-k+top-p", "min-p"],
-)
-def test_empirical_distribution_matches_filtered_softmax(
-    row: tuple[float, int, float, float],
-) -> None:
-    t, k, p, min_p = row
-    n = 20_000
-    params = SamplingParams(temperature=t, top_k=k, top_p=p, min_p=min_p)
-    logits = torch.tensor([STAT_LOGITS]).expand(n, -1)
-    batch = make_batch([params] * n, default_generator=seeded(2024))
-    counts = torch.bincount(sample(logits, batch).token_ids, minlength=8).tolist()
-    _check_distribution(counts, reference_probs(STAT_LOGITS, t, k, p, min_p))
-
-
-def test_seeded_generators_give_the_right_distribution() -> None:
-    t, k, p = 1.3, 6, 0.9
-    n = 4_000
-    params = SamplingParams(temperature=t, top_k=k, top_p=p)
-    logits = torch.tensor([STAT_LOGITS]).expand(n, -1)
-    batch = make_batch([params] * n, generators=[seeded(s) for s in range(n)])
-    counts = torch.bincount(sample(logits, batch).token_ids, minlength=8).tolist()
-    _check_distribution(counts, reference_probs(STAT_LOGITS, t, k, p, 0.0))
-
-
-def _check_distribution(counts: list[int], probs: list[float]) -> None:
-    n = sum(counts)
-    support = [i for i, q in enumerate(probs) if q > 0]
-    assert all(counts[i] == 0 for i in range(len(probs)) if probs[i] == 0), counts
-    observed = [counts[i] for i in support]
-    expected = [probs[i] * n for i in support]
-    if len(support) > 1:
-        assert chisquare(observed, expected).pvalue > 1e-3, (observed, expected)
-    else:
-        assert observed == [n]
 
 
 # ---------------------------------------------------------------------------------------
