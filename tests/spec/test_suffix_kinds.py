@@ -126,3 +126,33 @@ def test_deeper_drafts_are_scored_and_credited_by_the_longer_match_they_extend()
     # a long match's drafts are all of its own kind
     long_draft = proposers._suffix_tree(request("b", LONG))
     assert long_draft is not None and long_draft.deeper == ()
+
+
+def test_the_nodes_at_a_depth_share_the_chance_the_tree_gets_through_it():
+    """After "20 21" the context went on with 22 three times and 23 once: the two first
+    drafts split the depth's alpha 3:1 (not 22 at alpha and 23 at a third of it on top); a
+    depth's scores add up to at most the chance that the tree gets through it (the product
+    of its depths' kinds' alphas: what the depth-wise trackers measure), and a node never
+    scores above its parent."""
+    spec = Speculator("suffix", max_k=8, ngram_min=2, ngram_max=4, policy=SpeculationPolicy())
+    if spec.suffix is None:
+        pytest.skip("the suffix trie needs gcc")
+    branchy = [20, 21, 22, 5, 20, 21, 22, 6, 20, 21, 23, 7, 20, 21, 22, 8, 20, 21]
+    draft = spec.proposers._suffix_tree(request("a", branchy))
+    assert draft is not None and draft.tree is not None
+    tree, scores = draft.tree, draft.scores
+    alpha_from = dict(draft.trackers_by_depth)  # first depth -> its tracker
+    reach, alpha = [1.0], 0.0
+    for depth in range(1, max(tree.depths) + 1):
+        alpha = alpha_from[depth].alpha if depth in alpha_from else alpha
+        reach.append(reach[-1] * alpha)
+    by_depth: dict[int, float] = {}
+    for score, depth in zip(scores, tree.depths, strict=True):
+        by_depth[depth] = by_depth.get(depth, 0.0) + score
+    first = {tok: score for tok, score, depth in zip(tree.token_ids, scores, tree.depths,
+                                                      strict=True) if depth == 1}
+    assert first == pytest.approx({22: 0.75 * reach[1], 23: 0.25 * reach[1]})
+    assert by_depth[1] == pytest.approx(reach[1]) and by_depth[2] == pytest.approx(reach[2])
+    assert all(by_depth[d] <= reach[d] + 1e-9 for d in by_depth)
+    assert all(score <= scores[parent] + 1e-12
+               for score, parent in zip(scores, tree.parents, strict=True) if parent >= 0)
