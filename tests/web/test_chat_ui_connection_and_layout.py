@@ -129,4 +129,6 @@ def test_reconnect_banner_when_the_server_restarts(page: Any, server: ServerProc
     wait_done(send(page, "Are you back?"))
     mirror = state(page)["mirror"]  # the new session got the whole conversation
     assert [m["role"] for m in mirror] == ["user", "assistant", "user"]
-    assert json.dumps(mirror).count("dragon") == 1
+    # the first question once (not replayed twice); the cut-off answer may say "dragon" too,
+    # depending on how many words it had before the kill
+    assert json.dumps(mirror).count("a long, detailed story about a dragon") == 1
