@@ -192,6 +192,9 @@ class Speculator:
         # a free proposal scoring no more than the floor is dropped before it is scored and
         # allocated (priced at the first look-up; docs/architecture.md, "Looking for drafts")
         tokens = sum(self._token_weight(r) for r in requests)
+        # the step's prompt tokens (a chunk, or waiting prompts admitted after these
+        # requests): the rate drafts must raise is the decoding rows' (policy.step_cost)
+        prefill = max(num_plain_tokens - len(requests), 0)
         floor: float | None = None
         for request, room in zip(requests, rooms, strict=True):
             request.clear_drafts()
@@ -203,7 +206,7 @@ class Speculator:
                 continue
             looked.append(request)
             if floor is None:
-                floor = self.policy.free_draft_floor(num_plain_tokens, tokens)
+                floor = self.policy.free_draft_floor(num_plain_tokens, tokens, prefill)
             if (candidate := self._candidate(
                     request, k, public, floor / self._token_weight(request))) is not None:
                 for c in (candidate, candidate.fallback):
@@ -220,7 +223,7 @@ class Speculator:
                         else room
                 candidates.append(candidate)
         try:
-            self._grant(candidates, tokens, num_plain_tokens, budget)
+            self._grant(candidates, tokens, num_plain_tokens, budget, prefill)
         finally:
             for request in looked:  # the back-off follows what was drafted
                 state = request.spec_state
@@ -229,14 +232,15 @@ class Speculator:
                 state.lookups_to_skip = lookups_to_skip(state.idle_lookups)
 
     def _grant(self, candidates: list[Candidate], tokens: float, num_plain_tokens: int,
-               budget: int) -> None:
+               budget: int, num_prefill_tokens: int = 0) -> None:
         """The policy's drafts for this step's ``candidates``, written to their requests
-        (``tokens``: what the step's requests emit without drafts, weighted)."""
+        (``tokens``: what the step's requests emit without drafts, weighted;
+        ``num_prefill_tokens``: the prompt tokens among ``num_plain_tokens``)."""
         if not candidates:
             return
         weights = [self._token_weight(c.request) for c in candidates]
         ks, candidates = self._allocate(candidates, num_plain_tokens, weights,
-                                        tokens - sum(weights))
+                                        tokens - sum(weights), num_prefill_tokens)
         # Tree verification takes one-hot drafts only: a step where a sampled request
         # verifies draft-model (or head) distributions verifies chains (each tree's best
         # path; the head drafts a chain).
@@ -249,7 +253,7 @@ class Speculator:
             c.tracker.steps_since_probe += 1
             if k == 0 and c.tracker.alpha <= self.policy.probe_below_alpha \
                     and c.tracker.steps_since_probe >= self.policy.probe_interval \
-                    and self.policy.probe_pays(num_tokens, tokens):
+                    and self.policy.probe_pays(num_tokens, tokens, num_prefill_tokens):
                 k = 1  # re-test a request whose acceptance had collapsed (not one that
                 # was refused because drafting costs too much at this batch size), in a
                 # step where a fair draft would pay
@@ -281,7 +285,7 @@ class Speculator:
             state.in_flight_depth = tree.max_depth
 
     def _allocate(self, candidates: list[Candidate], num_plain_tokens: int,
-                  weights: list[float], other_tokens: float,
+                  weights: list[float], other_tokens: float, num_prefill_tokens: int = 0,
                   ) -> tuple[list[int], list[Candidate]]:
         """The policy's draft counts for ``candidates``; where some carry a free
         ``fallback`` (combined), also for the fallbacks in place of the refused ones and in
@@ -290,7 +294,8 @@ class Speculator:
             return self.policy.allocate_with_rate(
                 [c.tracker.alpha for c in cands], [c.available for c in cands],
                 num_plain_tokens, [c.tree is None for c in cands], weights,
-                [c.gains for c in cands], other_tokens=other_tokens)
+                [c.gains for c in cands], other_tokens=other_tokens,
+                num_prefill_tokens=num_prefill_tokens)
 
         ks, best = rate(candidates)
         if not any(c.fallback is not None for c in candidates):

@@ -112,6 +112,37 @@ def test_a_probe_pays_only_where_a_fair_draft_would():
     assert policy.probe_pays(num_tokens=8, tokens=1.0)  # the rest are drafts, not tokens
 
 
+def test_a_prompt_in_the_step_leaves_the_drafts_to_the_decoding_rows_rate():
+    """8 requests decode beside a 400-token prompt. Rows cost 1 each past 8 (compute-bound):
+    a draft row costs what a decoding row emits, so a draft accepted 0.3 of the time does
+    not pay, prompt or not. Against the whole step's rate (8 tokens in 400 rows' time) it
+    looked as if it did: the prompt's time is not this step's price of a token."""
+    cost = StepCost((1, 8, 1024), (8.0, 8.0, 1024.0))
+    policy = SpeculationPolicy(cost, max_k=4)
+    args = ([0.3] * 8, [4] * 8)
+    assert policy.allocate(*args, num_plain_tokens=8) == [0] * 8
+    assert sum(policy.allocate(*args, num_plain_tokens=408)) > 0  # the prompt not named
+    assert policy.allocate(*args, num_plain_tokens=408, num_prefill_tokens=400) == [0] * 8
+    assert policy.first_draft_threshold(408, 8.0, 400) == pytest.approx(1.0)
+    assert not policy.probe_pays(408, 8.0, num_prefill_tokens=400)
+    assert policy.free_draft_floor(408, 8.0, 400) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("prompt", [1, 57, 400])
+def test_where_rows_cost_the_same_a_prompt_changes_no_draft(prompt: int):
+    """On a linear cost curve a draft row costs the same whatever the step's size, and the
+    decoding rows' rate is the same with the prompt left out: the same drafts either way."""
+    cost = StepCost((1, 1024), (3.0, 3.0 + 0.4 * 1023))
+    policy = SpeculationPolicy(cost, max_k=4)
+    alphas, available = [0.95, 0.7, 0.5, 0.2], [4, 4, 3, 4]
+    gains = [[0.9, 0.6, 0.3, 0.1], None, None, None]
+    plain = policy.allocate_with_rate(alphas, available, 6, gains=gains, other_tokens=2.0)
+    mixed = policy.allocate_with_rate(alphas, available, 6 + prompt, gains=gains,
+                                      other_tokens=2.0, num_prefill_tokens=prompt)
+    assert mixed[0] == plain[0] and sum(plain[0]) > 0
+    assert mixed[1] == pytest.approx(plain[1])
+
+
 def test_tracker_counts_only_tested_drafts():
     t = AcceptanceTracker(alpha=0.5, decay=0.0)
     t.update(num_drafted=4, num_accepted=1)  # accepted 1, rejected the 2nd: 1 of 2 tested
