@@ -21,8 +21,11 @@ Sources:
 Each replayed step is priced with the engine's start-up row-cost curve (the model's forward
 for 1 + accepted rows) plus the step's other work as measured in the off run (its decode
 time a step, less the curve's 1-row forward): ``ceiling speed-up`` = off's decode time /
-the clairvoyant's. ``tokens / step`` is the ceiling with free verification rows. A
-``--compare`` spec_bench JSON adds its measured C=1 speed-ups (decode phase) beside them.
+the clairvoyant's. ``wall x`` is the same ceiling on the wall clock: the off runs' own
+prefill and first token (their wall time less their decode time), which no drafter shortens,
+added to both sides (:func:`with_prefill`). ``tokens / step`` is the ceiling with free
+verification rows. A ``--compare`` spec_bench JSON adds its measured C=1 speed-ups (decode
+phase and wall clock) beside them.
 
     python benchmarks/spec_ceiling.py [--model M] [--max-tokens 128] [--max-draft 16]
         [--min-match 2] [--corpus-min-match 4] [--compare benchmarks/results/spec_bench_X.json]
@@ -161,6 +164,17 @@ def ceiling(steps: Sequence[int], forward_s: Sequence[float], other_s: float
     return tokens / max(len(steps), 1), seconds
 
 
+def with_prefill(decode_speedup: float, decode_s: float, wall_s: float) -> float:
+    """The wall-clock speed-up of runs that took ``wall_s`` in all, ``decode_s`` of it
+    decoding (first token to last), when their decoding runs ``decode_speedup`` times faster
+    and the rest (the prefill and the first token, which speculation cannot shorten) does
+    not: ``wall / (wall - decode + decode / decode_speedup)``."""
+    if wall_s <= 0.0 or decode_s <= 0.0 or decode_speedup <= 0.0:
+        return 1.0
+    decode_s = min(decode_s, wall_s)
+    return wall_s / (wall_s - decode_s + decode_s / decode_speedup)
+
+
 # ---------------------------------------------------------------------- the run
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -206,19 +220,23 @@ def main(argv: list[str] | None = None) -> None:
         shared = cat in spec_bench.SHARED_TENANT_CATEGORIES
         history: list[int] = []
         runs = []
+        walls: list[float] = []  # each off run's wall time (prefill included)
         for i, messages in enumerate(conversations):
             prompt = engine.apply_chat_template(messages)
             run = spec_bench.run_batch(engine, [prompt], params, f"ceiling-{cat}-{i}", "off")
             output, usage = run["tokens"][0], run["usage"][0]
+            walls.append(run["wall_s"])
             runs.append((prompt, output, list(history), usage))
             if shared:
                 history += output
         decode_s = sum(u.decode_time for *_, u in runs)
+        wall_s = sum(walls)
         decode_steps = sum(max(len(o) - 1, 0) for _, o, _, _ in runs)
         other_s = max(decode_s / max(decode_steps, 1) - forward_s[0], 0.0)
         row: dict[str, Any] = {"category": cat, "decode_tokens": decode_steps,
                                "off_decode_ms_per_token": 1e3 * decode_s / max(decode_steps, 1),
-                               "other_ms_per_step": 1e3 * other_s}
+                               "other_ms_per_step": 1e3 * other_s,
+                               "off_wall_s": wall_s, "off_decode_s": decode_s}
         for source in SOURCES:
             if source != "context" and corpus is None:
                 continue
@@ -226,9 +244,10 @@ def main(argv: list[str] | None = None) -> None:
                 p, o, h, args.max_draft, args.min_match,
                 corpus if source != "context" else None)]
             per_step, seconds = ceiling(steps, forward_s, other_s)
-            row[source] = {"tokens_per_step": per_step,
-                           "speedup": decode_steps * (forward_s[0] + other_s) / seconds
-                           if seconds > 0 else 1.0,  # (no decoding step: nothing to gain)
+            speedup = decode_steps * (forward_s[0] + other_s) / seconds \
+                if seconds > 0 else 1.0  # (no decoding step: nothing to gain)
+            row[source] = {"tokens_per_step": per_step, "speedup": speedup,
+                           "wall_speedup": with_prefill(speedup, decode_s, wall_s),
                            "accepted_histogram": np.bincount(
                                steps, minlength=args.max_draft + 1).tolist()}
         rows.append(row)
@@ -242,12 +261,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def compare(path: Path, method: str) -> dict[str, dict[str, float]]:
-    """Category -> the spec_bench JSON's C=1 decode speed-up and tokens a request-step."""
+    """Category -> the spec_bench JSON's C=1 speed-ups (decode phase, wall clock) and tokens a
+    request-step."""
     data = json.loads(Path(path).read_text())
     out = {}
     for r in data["results"]:
         if r["concurrency"] == 1 and r["method"] == method and r["category"] != "overall":
             out[r["category"]] = {"decode_speedup": r["decode_speedup"],
+                                  "wall_speedup": r["speedup"],
                                   "tokens_per_request_step":
                                   r["spec"].get("tokens_per_request_step")}
     return out
@@ -259,23 +280,26 @@ def report(args: argparse.Namespace, info: dict[str, Any], rows: list[dict[str, 
     overall: dict[str, Any] = {"category": "geomean"}
     for s in sources:
         overall[s] = {k: statistics.geometric_mean([r[s][k] for r in rows])
-                      for k in ("tokens_per_step", "speedup")}
+                      for k in ("tokens_per_step", "speedup", "wall_speedup")}
     if all(r["measured"] for r in rows):
         overall["measured"] = {k: statistics.geometric_mean([r["measured"][k] for r in rows])
-                               for k in ("decode_speedup", "tokens_per_request_step")}
+                               for k in ("decode_speedup", "wall_speedup",
+                                         "tokens_per_request_step")}
     else:
         overall["measured"] = None
     table_rows = [*rows, overall]
-    headers = ["category"] + [f"{s} {k}" for s in sources for k in ("tokens/step", "x")]
-    headers += ["measured tokens/request-step", "measured decode x"]
+    headers = ["category"] + [f"{s} {k}" for s in sources
+                              for k in ("tokens/step", "x", "wall x")]
+    headers += ["measured tokens/request-step", "measured decode x", "measured wall x"]
     lines = []
     for r in table_rows:
         cells = [r["category"]]
         for s in sources:
-            cells += [fmt(r[s]["tokens_per_step"], 3), fmt(r[s]["speedup"], 3)]
+            cells += [fmt(r[s]["tokens_per_step"], 3), fmt(r[s]["speedup"], 3),
+                      fmt(r[s]["wall_speedup"], 3)]
         m = r.get("measured")
-        cells += [fmt(m["tokens_per_request_step"], 3) if m else "–",
-                  fmt(m["decode_speedup"], 3) if m else "–"]
+        cells += [fmt(m[k], 3) if m else "–"
+                  for k in ("tokens_per_request_step", "decode_speedup", "wall_speedup")]
         lines.append(cells)
     print(markdown_table(headers, lines))
     name = f"spec_ceiling{'_' + args.tag if args.tag else ''}"

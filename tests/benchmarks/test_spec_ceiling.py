@@ -93,3 +93,12 @@ def test_ceiling_prices_each_step_by_its_rows() -> None:
     per_step, seconds = spec_ceiling.ceiling([0, 3, 1], [1.0, 1.5, 2.0, 2.5], 0.5)
     assert per_step == pytest.approx(7 / 3)
     assert seconds == pytest.approx(1.5 + 3.0 + 2.0)
+
+
+def test_the_wall_clock_ceiling_keeps_the_prefill() -> None:
+    # 1.5 s in all, 1 s of it decoding: decoding twice as fast saves 0.5 s
+    assert spec_ceiling.with_prefill(2.0, 1.0, 1.5) == pytest.approx(1.5)
+    assert spec_ceiling.with_prefill(2.0, 1.0, 1.0) == pytest.approx(2.0)  # nothing else
+    assert spec_ceiling.with_prefill(1.0, 1.0, 3.0) == pytest.approx(1.0)  # no gain
+    assert spec_ceiling.with_prefill(3.0, 0.0, 2.0) == 1.0  # no decoding at all
+    assert spec_ceiling.with_prefill(2.0, 2.0, 1.5) == pytest.approx(2.0)  # decode clamped
