@@ -13,8 +13,9 @@ free of this VM's drift, and beside two ceilings on the same outputs: the clairv
 copier's (:func:`spec_ceiling.clairvoyant_steps`: any copy from the context or the corpus,
 the best length) and ``oracle length``'s (this proposer's own candidate trees, each step
 drafting exactly the path verification would accept: what knowing the right draft length
-would give). What the replay cannot see (how a served step's cost drifts, cache effects of
-a model step on the look-ups) still needs a live spec_bench A/B.
+would give). What the replay leaves out (how a served step's cost drifts and the served
+curve's corrections, cache effects of a model step on the look-ups, the speed guard's off
+epochs) still needs a live spec_bench A/B.
 
     python benchmarks/spec_replay.py [--model M] [--max-tokens 128] [--outputs FILE]
         [--variant NAME:key=value,...]... [--measure-curve] [--tag TAG]
@@ -172,7 +173,9 @@ def make_speculator(policy_cost: StepCost, corpus: SuffixCorpus | None,
         else:
             raise SystemExit(f"unknown variant key {key!r}")
     policy = SpeculationPolicy(policy_cost, max_k, **policy_kw)
-    spec = Speculator("suffix", max_k, 1, 4, policy, suffix_corpus=corpus)
+    # (the engine's defaults: n-gram 2-4 for a request whose tries are not compiled; no
+    # speed guard, whose off epochs a replay of one configuration has no use for)
+    spec = Speculator("suffix", max_k, 2, 4, policy, suffix_corpus=corpus)
     if spec.proposers.suffix is not None:  # (None without the compiled tries)
         spec.proposers.suffix = SuffixProposer(SuffixConfig(**suffix_kw), corpus)
     return spec, max_k, oracle
