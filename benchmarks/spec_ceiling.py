@@ -60,6 +60,7 @@ from common import (
     markdown_table,
     new_figure,
     save_figure,
+    speedup_bars,
     write_json,
 )
 
@@ -309,17 +310,11 @@ def report(args: argparse.Namespace, info: dict[str, Any], rows: list[dict[str, 
                 "forward_ms_by_rows": [1e3 * s for s in forward_s],
                 "results": table_rows}, args.out_dir / f"{name}.json")
     fig, ax = new_figure(9.0, 4.5)
-    labels = [r["category"] for r in table_rows]
-    x = np.arange(len(labels))
     series = [(f"ceiling, {s}", [r[s]["speedup"] for r in table_rows]) for s in sources]
     if overall["measured"] is not None:
         series.append((f"measured ({args.compare_method}, decode)",
                        [r["measured"]["decode_speedup"] for r in table_rows]))
-    width = 0.8 / len(series)
-    for i, (label, values) in enumerate(series):
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(x, labels, rotation=30, ha="right")
+    speedup_bars(ax, [r["category"] for r in table_rows], series)
     ax.set_ylabel("speed-up over speculation off (C=1)")
     ax.set_title(f"Copy drafting's clairvoyant ceiling: {machine_summary(info)}", fontsize=8)
     ax.legend(fontsize=8)

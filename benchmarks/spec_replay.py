@@ -41,8 +41,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import spec_bench
@@ -55,6 +53,7 @@ from common import (
     markdown_table,
     new_figure,
     save_figure,
+    speedup_bars,
     write_json,
 )
 
@@ -368,14 +367,9 @@ def report(args: argparse.Namespace, info: dict[str, Any], data: dict[str, Any],
                 "ceiling": ceilings, "variants": variants},
                args.out_dir / f"{name}.json")
     fig, ax = new_figure(11.0, 4.5)
-    x = np.arange(len(cats))
     series = [("clairvoyant copier", [ceilings[c]["wall_speedup"] for c in cats])]
     series += [(n, [res[c]["wall_speedup"] for c in cats]) for n, res in variants.items()]
-    width = 0.8 / len(series)
-    for i, (label, values) in enumerate(series):
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(x, cats, rotation=30, ha="right")
+    speedup_bars(ax, cats, series)
     ax.set_ylabel("replayed wall-clock speed-up over off (C=1)")
     ax.set_title(f"Suffix speculation replayed: {machine_summary(info)}", fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
