@@ -18,13 +18,16 @@ curve's corrections, cache effects of a model step on the look-ups, the speed gu
 epochs) still needs a live spec_bench A/B.
 
     python benchmarks/spec_replay.py [--model M] [--max-tokens 128] [--outputs FILE]
-        [--variant NAME:key=value,...]... [--measure-curve] [--tag TAG]
+        [--variant NAME:key=value,...]... [--measure-curve] [--compare SPEC_BENCH_JSON]
+        [--tag TAG]
 
 The off runs' outputs and timings, and the step cost by rows (:func:`median_curve`), are
 written to ``--outputs`` (default ``benchmarks/results/spec_replay_outputs[_TAG].json``)
 and read back from it on later runs. A variant's keys are ``SuffixConfig`` or
 ``SpeculationPolicy`` fields, ``max_k``, or ``oracle=1``; the default variants are the
-shipped configuration and its oracle length. Writes
+shipped configuration and its oracle length. ``--compare`` puts a spec_bench JSON's
+measured C=1 figures beside them (decode and wall-clock speed-ups, tokens a
+request-step). Writes
 ``benchmarks/results/spec_replay[_TAG].{json,png}`` and prints a markdown table.
 """
 
@@ -280,7 +283,8 @@ def replay_variant(data: dict[str, Any], policy_cost: StepCost, corpus: SuffixCo
 
 def clairvoyant(data: dict[str, Any], corpus_index: Any, policy_cost: StepCost, forward_1: float,
                 max_draft: int) -> dict[str, dict[str, float]]:
-    """The clairvoyant copier's ceiling on the same outputs (context + corpus)."""
+    """The clairvoyant copier's ceiling on the same outputs: from the context, and from
+    the target's own corpus when it has one (``corpus_index``)."""
     out = {}
     forward = [policy_cost(r + 1) for r in range(max_draft + 1)]
     for cat, runs in data["categories"].items():
@@ -306,6 +310,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="NAME:key=value,... (repeatable; default: the shipped defaults)")
     p.add_argument("--measure-curve", action="store_true",
                    help="price steps with a curve measured now, not the outputs file's")
+    p.add_argument("--compare", type=Path, default=None,
+                   help="a spec_bench JSON whose measured C=1 figures go beside the replay")
+    p.add_argument("--compare-method", default="suffix")
     p.add_argument("--tag", default="")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
@@ -339,13 +346,18 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         variants[name] = replay_variant(data, cost, corpus, pairs, forward_1)
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    report(args, info, data, variants, ceilings, cost)
+    measured = spec_ceiling.compare(args.compare, args.compare_method) if args.compare \
+        else {}
+    report(args, info, data, variants, ceilings, cost, measured)
 
 
 def report(args: argparse.Namespace, info: dict[str, Any], data: dict[str, Any],
            variants: dict[str, dict[str, Any]], ceilings: dict[str, dict[str, float]],
-           curve: StepCost) -> None:
+           curve: StepCost, measured: dict[str, dict[str, float]] | None = None) -> None:
+    """The table (printed), the JSON and the plot; ``measured``: a spec_bench run's figures
+    by category (:func:`spec_ceiling.compare`), shown where it has every category."""
     cats = list(data["categories"])
+    measured = measured if measured and all(c in measured for c in cats) else None
     headers = ["variant", *cats, "geomean"]
     lines = []
     for key in ("speedup", "wall_speedup", "tokens_per_step"):
@@ -354,6 +366,14 @@ def report(args: argparse.Namespace, info: dict[str, Any], data: dict[str, Any],
         for name, res in variants.items():
             lines.append([f"{name} ({key})"] + [fmt(res[c][key], 3) for c in cats]
                          + [fmt(statistics.geometric_mean([res[c][key] for c in cats]), 3)])
+    if measured is not None:
+        for key, label in (("decode_speedup", "speedup"), ("wall_speedup", "wall_speedup"),
+                           ("tokens_per_request_step", "tokens_per_step")):
+            values = [measured[c][key] for c in cats]
+            if any(v is None for v in values):  # (an older JSON without the figure)
+                continue
+            lines.append([f"measured ({label})"] + [fmt(v, 3) for v in values]
+                         + [fmt(statistics.geometric_mean(values), 3)])
     for name, res in variants.items():
         for key in ("draft_rows_per_step", "accepted_per_row", "proposer_ms_per_step"):
             lines.append([f"{name} ({key})"] + [fmt(res[c][key], 3) for c in cats] + ["–"])
@@ -364,13 +384,16 @@ def report(args: argparse.Namespace, info: dict[str, Any], data: dict[str, Any],
                            for k, v in vars(args).items()},
                 "curve_ms": {n: 1e3 * t for n, t in zip(curve.num_tokens, curve.seconds,
                                                          strict=True)},
-                "ceiling": ceilings, "variants": variants},
+                "ceiling": ceilings, "variants": variants, "measured": measured},
                args.out_dir / f"{name}.json")
     fig, ax = new_figure(11.0, 4.5)
     series = [("clairvoyant copier", [ceilings[c]["wall_speedup"] for c in cats])]
     series += [(n, [res[c]["wall_speedup"] for c in cats]) for n, res in variants.items()]
+    if measured is not None:
+        series.append((f"measured ({args.compare_method})",
+                       [measured[c]["wall_speedup"] for c in cats]))
     speedup_bars(ax, cats, series)
-    ax.set_ylabel("replayed wall-clock speed-up over off (C=1)")
+    ax.set_ylabel("wall-clock speed-up over off (C=1)")
     ax.set_title(f"Suffix speculation replayed: {machine_summary(info)}", fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     save_figure(fig, args.out_dir / f"{name}.png")

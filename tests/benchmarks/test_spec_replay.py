@@ -108,3 +108,28 @@ def test_a_variant_names_known_fields_only() -> None:
         spec_replay.make_speculator(curve, None, {"no_such_field": "1"})
     assert spec_replay.parse_variant("k16:max_k=16,oracle=1") == (
         "k16", {"max_k": "16", "oracle": "1"})
+
+
+def test_the_report_puts_a_measured_run_beside_the_replay(tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    from common import machine_info
+    cats = ["chat", "code"]
+    bench = {"results": [{"concurrency": 1, "method": "suffix", "category": c,
+                          "decode_speedup": 1.3, "speedup": 1.2,
+                          "spec": {"tokens_per_request_step": 1.9}} for c in cats]}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    import spec_ceiling
+    measured = spec_ceiling.compare(tmp_path / "bench.json", "suffix")
+    figures = {"tokens_per_step": 2.0, "speedup": 1.5, "wall_speedup": 1.3,
+               "draft_rows_per_step": 1.0, "accepted_per_row": 0.5, "proposer_ms_per_step": 0.1}
+    args = argparse.Namespace(tag="t", out_dir=tmp_path, compare_method="suffix")
+    spec_replay.report(args, machine_info(), {"categories": {c: [] for c in cats}},
+                       {"shipped": {c: dict(figures) for c in cats}},
+                       {c: {"tokens_per_step": 2.2, "speedup": 1.6, "wall_speedup": 1.4}
+                        for c in cats}, StepCost((1, 2), (1.0, 1.1)), measured)
+    written = json.loads((tmp_path / "spec_replay_t.json").read_text())
+    assert written["measured"]["code"]["wall_speedup"] == 1.2
+    assert written["variants"]["shipped"]["chat"]["speedup"] == 1.5
+    assert (tmp_path / "spec_replay_t.png").stat().st_size > 0
