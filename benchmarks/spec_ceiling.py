@@ -178,18 +178,31 @@ def with_prefill(decode_speedup: float, decode_s: float, wall_s: float) -> float
 
 # ---------------------------------------------------------------------- the run
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_args(p: argparse.ArgumentParser, compare_help: str) -> None:
+    """The arguments this script shares with ``spec_replay.py``."""
     p.add_argument("--model", default=None, help="as spec_bench's (default: SmolLM2)")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--max-draft", type=int, default=16)
-    p.add_argument("--min-match", type=int, default=2)
-    p.add_argument("--corpus-min-match", type=int, default=4)
-    p.add_argument("--compare", type=Path, default=None,
-                   help="a spec_bench JSON whose C=1 decode speed-ups go beside the ceilings")
+    p.add_argument("--compare", type=Path, default=None, help=compare_help)
     p.add_argument("--compare-method", default="suffix")
     p.add_argument("--tag", default="")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+
+
+def c1_engine(model: str | None) -> tuple[Any, argparse.Namespace]:
+    """spec_bench's engine for ``model`` (None: its default) and its arguments, C=1, off and
+    suffix."""
+    bench = spec_bench.parse_args(["--methods", "off,suffix", "--concurrency", "1"]
+                                  + (["--model", model] if model else []))
+    engine, _ = spec_bench.build_engine(bench)
+    return engine, bench
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(p, "a spec_bench JSON whose C=1 decode speed-ups go beside the ceilings")
+    p.add_argument("--max-draft", type=int, default=16)
+    p.add_argument("--min-match", type=int, default=2)
+    p.add_argument("--corpus-min-match", type=int, default=4)
     return p.parse_args(argv)
 
 
@@ -207,9 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = machine_info()
     print(f"machine: {machine_summary(info)}", file=sys.stderr)
-    bench = spec_bench.parse_args(["--methods", "off,suffix", "--concurrency", "1"]
-                                  + (["--model", args.model] if args.model else []))
-    engine, _ = spec_bench.build_engine(bench)
+    engine, bench = c1_engine(args.model)
     corpus = load_corpus(engine, args.corpus_min_match)
     cost = engine.speculator.policy.cost
     cost = getattr(cost, "base", cost)  # the start-up curve (StepCost): seconds for n rows

@@ -49,7 +49,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import spec_bench
 import spec_ceiling
 from common import (
-    RESULTS_DIR,
     fmt,
     machine_info,
     machine_summary,
@@ -303,18 +302,13 @@ def clairvoyant(data: dict[str, Any], corpus_index: Any, policy_cost: StepCost, 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="as spec_bench's (default: SmolLM2)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    spec_ceiling.add_run_args(
+        p, "a spec_bench JSON whose measured C=1 figures go beside the replay")
     p.add_argument("--outputs", type=Path, default=None)
     p.add_argument("--variant", action="append", default=None,
                    help="NAME:key=value,... (repeatable; default: the shipped defaults)")
     p.add_argument("--measure-curve", action="store_true",
                    help="price steps with a curve measured now, not the outputs file's")
-    p.add_argument("--compare", type=Path, default=None,
-                   help="a spec_bench JSON whose measured C=1 figures go beside the replay")
-    p.add_argument("--compare-method", default="suffix")
-    p.add_argument("--tag", default="")
-    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     suffix = f"_{args.tag}" if args.tag else ""
     args.outputs = args.outputs or args.out_dir / f"spec_replay_outputs{suffix}.json"
@@ -326,9 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = machine_info()
     print(f"machine: {machine_summary(info)}", file=sys.stderr)
-    bench = spec_bench.parse_args(["--methods", "off,suffix", "--concurrency", "1"]
-                                  + (["--model", args.model] if args.model else []))
-    engine, _ = spec_bench.build_engine(bench)
+    engine, bench = spec_ceiling.c1_engine(args.model)
     fresh = not args.outputs.exists()
     data = off_outputs(args, engine, bench, median_curve(engine.runner.time_forward))
     cost = StepCost(tuple(data["curve"]["num_tokens"]), tuple(data["curve"]["seconds"]))
