@@ -189,9 +189,10 @@ class SpeculationPolicy:
         # Each plan's rate is computed once, and the free drafts are added only where some
         # request has one to add (_add_free_drafts would return the plan as it is): the same
         # plans and rates as before (tests/spec/policy_allocation_reference.py), at a
-        # fraction of the cost where a draft head's request is priced at every depth (141
-        # -> 40 us a step hot for one request; ~0.2 ms of a served ~9 ms step on the 2-core
-        # AVX2-only Zen 3 EPYC, 2026-12-01, where drafts were granted in a few % of steps).
+        # fraction of the cost where a draft head's request is priced at every depth (one
+        # request's allocation 141 -> 68 us hot; the head's served plan 0.216 -> 0.156 ms a
+        # ~9 ms step on the 2-core AVX2-only Zen 3 EPYC, 2026-12-01, where the head was
+        # granted drafts in a few % of steps).
         free = any(not uses_draft[i] and min(available[i], len(g)) > 0
                    and g[0] > self.min_alpha for i, g in enumerate(node_gains))
         plain = _Plan([0] * len(alphas), base, max(num_plain_tokens, 1), 0.0)
