@@ -146,13 +146,12 @@ def run_category(engine: LLMEngine, prompts: list[list[int]], concurrency: int,
     """One category at one concurrency: C=1 one prompt at a time, else C cycled prompts
     at once, or with ``closed_loop`` N > 0 that many cycled prompts, C in flight.
     ``shared_tenant``: the run's requests are one tenant (an agent's session)."""
+    if concurrency == 1:  # one method alone: the interleaved run of one
+        return run_interleaved(engine, prompts, params, tag, [method], shared_tenant)[method]
     tenant = tag if shared_tenant else None
     proposer_before = engine.speculator.stats.proposer_seconds
     guard_off_before = engine.speculator.num_guard_off_steps
-    if concurrency == 1:
-        run = _joined([run_batch(engine, [p], params, f"{tag}-p{i}", method, tenant)
-                       for i, p in enumerate(prompts)])
-    elif closed_loop:
+    if closed_loop:
         run = run_closed_loop(engine, [prompts[i % len(prompts)] for i in range(closed_loop)],
                               concurrency, params, tag, method, tenant)
     else:
@@ -174,7 +173,8 @@ def run_interleaved(engine: LLMEngine, prompts: list[list[int]], params: Samplin
     between (four methods: ~10-30 s) let a drift into one method's ratio (the head alone on
     RAG, 2026-12-01, Zen 3: 0.80 and 0.84x in spec_bench's two repeats, 0.98x with the two
     arms alternating category by category in one process). ``shared_tenant``: each method's
-    requests are one tenant (an agent's session), as in :func:`run_category`."""
+    requests are one tenant (an agent's session). :func:`run_category` at C = 1 is this with
+    one method."""
     parts: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     proposer = dict.fromkeys(methods, 0.0)
     guard_off = dict.fromkeys(methods, 0)
