@@ -15,8 +15,12 @@ from quickdraft.engine.request import Request
 from quickdraft.spec.draft_cost import ObservedDraftCost
 from quickdraft.spec.draft_head_runner import HeadInput
 from quickdraft.spec.draft_model import DraftInput
+from quickdraft.spec.head_search import ROUNDS
 from quickdraft.spec.proposals import Proposers
 from quickdraft.spec.stats import SpeculationStats
+
+# The deepest tree the head drafts (its catch-up and ROUNDS rounds); a chain goes deeper.
+HEAD_TREE_DEPTH = ROUNDS + 1
 
 
 class ModelDrafting:
@@ -92,12 +96,17 @@ class ModelDrafting:
             rid = request.request_id
             assert len(self.kv.block_table(rid)) * self.kv.block_size \
                 >= n + state.model_k, "draft slots not reserved"
+            # one node a granted draft (the policy's chain) deeper than a tree reaches: that
+            # chain, as priced (a tree of its nodes would spend the deeper ones on siblings)
+            deep_chain = state.model_k <= state.in_flight_depth and \
+                state.in_flight_depth > HEAD_TREE_DEPTH
             inputs.append(HeadInput(
                 features=feats[start - fstart:n - 1 - fstart],
                 next_token_ids=request.token_ids_slice(start + 1, n), start_pos=start,
                 k=state.model_k, block_table=tuple(self.kv.block_table(rid)),
                 sampling_params=request.sampling_params, generator=request.generator,
-                tree=not chains_only, max_depth=state.in_flight_depth or None))
+                tree=not (chains_only or deep_chain),
+                max_depth=state.in_flight_depth or None))
             owed.append(request)
         for request, out in zip(owed, head.propose(inputs), strict=True):
             state = request.spec_state

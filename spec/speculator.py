@@ -43,8 +43,9 @@ from quickdraft.spec.suffix_corpus import SuffixCorpus
 from quickdraft.spec.token_tree import TokenTree
 from quickdraft.spec.verification import supports_speculation
 
-# The draft head drafts a tree of this many nodes per draft the policy grants it (the
-# policy prices the head like a chain; a tree of twice the nodes costs a few more rows).
+# The draft head drafts a tree of this many nodes per draft the policy grants it where a row
+# costs little beside the step (a GPU), else a chain: the policy decides by its cost curve
+# and prices the rows (spec.policy.SpeculationPolicy.model_rows_per_draft).
 HEAD_NODES_PER_DRAFT = 2
 
 # The public suffix corpus is asked only in steps of at most this many decoding requests: its
@@ -249,6 +250,7 @@ class Speculator:
             for c, k in zip(candidates, ks, strict=True) if k)
         self._chains_only = chains_only
         num_tokens = num_plain_tokens + sum(ks)
+        head_rows = 0  # nodes a head draft takes this step (asked once, where one is granted)
         for c, k in zip(candidates, ks, strict=True):
             c.tracker.steps_since_probe += 1
             if k == 0 and c.tracker.alpha <= self.policy.probe_below_alpha \
@@ -271,7 +273,9 @@ class Speculator:
                 state.model_k = k
                 if c.source == "head" and c.request.sampling_params.greedy \
                         and not chains_only:
-                    state.model_k = min(HEAD_NODES_PER_DRAFT * k, c.room, budget + k)
+                    head_rows = head_rows or self.policy.model_rows_per_draft(
+                        num_plain_tokens, num_prefill_tokens)
+                    state.model_k = min(head_rows * k, c.room, budget + k)
                     budget -= state.model_k - k
                 state.in_flight_depth = k
                 continue

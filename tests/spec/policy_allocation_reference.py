@@ -2,7 +2,8 @@
 written before its plans' rates were computed once each and its free drafts skipped where no
 request has one (session 71): every depth a fresh plan, every comparison recomputing both
 rates, the free drafts added at every depth. The oracle the faster loop must match exactly
-(the same drafts and the same rate, bit for bit)."""
+(the same drafts and the same rate, bit for bit). (Since session 72 a model draft's rows are
+the policy's ``model_rows_per_draft`` for the step, here as there.)"""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def allocate_with_rate_reference(policy: SpeculationPolicy, alphas: Sequence[flo
             trial = plan.with_draft_model(i, min(depth, available[i], policy.max_k),
                                           alphas[i], depth, taken, policy.draft_cost, w[i],
                                           policy.draft_fixed_cost,
-                                          policy.rows_per_model_draft)
+                                          policy.model_rows_per_draft(num_plain_tokens,
+                                                                      num_prefill_tokens))
             if trial.rate(cost) <= plan.rate(cost):
                 break
             plan = trial

@@ -291,12 +291,13 @@ def test_a_fixed_drafting_cost_must_be_earned_back():
 
 
 def test_a_tree_of_several_rows_per_draft_is_priced_by_its_rows():
-    """A head drafts ``rows_per_model_draft`` verified nodes per granted draft: on a steep
-    cost curve that buys fewer drafts than a chain would get."""
-    steep = StepCost((1, 2, 64), (1.0, 1.12, 8.56))  # each row +12 %
-    chain = SpeculationPolicy(steep, max_k=4, draft_cost=StepCost((1, 2), (0.0, 0.0)))
-    tree = SpeculationPolicy(steep, max_k=4, draft_cost=StepCost((1, 2), (0.0, 0.0)),
+    """A head drafts ``rows_per_model_draft`` verified nodes per granted draft where a row is
+    cheap (each +4 % here): that buys fewer drafts than a chain would get. (Where rows are
+    dearer it drafts chains: tests/spec/test_head_rows.py.)"""
+    slope = StepCost((1, 64), (1.0, 1.0 + 63 * 0.04))  # each row +4 %
+    chain = SpeculationPolicy(slope, max_k=8, draft_cost=StepCost((1, 2), (0.0, 0.0)))
+    tree = SpeculationPolicy(slope, max_k=8, draft_cost=StepCost((1, 2), (0.0, 0.0)),
                              rows_per_model_draft=2)
-    k_chain = chain.allocate([0.5], [4], 1, uses_draft=[True])[0]
-    k_tree = tree.allocate([0.5], [4], 1, uses_draft=[True])[0]
+    k_chain = chain.allocate([0.7], [8], 1, uses_draft=[True])[0]
+    k_tree = tree.allocate([0.7], [8], 1, uses_draft=[True])[0]
     assert k_chain > k_tree
