@@ -256,7 +256,7 @@ class SpeculationPolicy:
         time (it adds ~0.1 token a verification at the head's ~0.6 acceptance), so its row
         pays only beside a step it adds little to: on a GPU, where a few more rows cost ~1 %
         of the step, not on the 2-core CPUs, where the third row of a 1-request step adds
-        15-20 % of it. Measured (SmolLM2, C=1, the shipped head alone against off, 2-core
+        18-22 % of it. Measured (SmolLM2, C=1, the shipped head alone against off, 2-core
         AVX2-only Zen 3 EPYC, 2026-12-01, one engine, arms alternating by category, 3 rounds):
         two nodes a draft 0.996x, one 1.043x over five categories, and 0.996x -> 1.085x over
         seven in a second run (open writing 1.034 -> 1.258, chat 1.053 -> 1.215, code editing
