@@ -291,9 +291,12 @@ def head_forward(input_ids: torch.Tensor,  # int64 [T or r]: the rows' tokens
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The draft head's forward in one native call: :func:`head_layer` over the rows'
     embeddings and RoPE rows (gathered inside), on ``hidden`` or, given the target's fused
-    features, on ``fc(hidden)``; and the fp32 logits ``[l, V_d]`` of its outputs' rows
-    ``logit_rows`` (None: all) through the final norm and the LM head. The same kernels in
-    the same order as the head's torch calls (``spec/draft_head.py``), so the same bits.
+    features, on ``fc(hidden)``; its outputs ``[l, hidden]`` at the rows ``logit_rows``
+    (None: all) and their fp32 logits ``[l, V_d]`` through the final norm and the LM head.
+    Every row's K/V is written, but without ``rows`` only the ``logit_rows`` go on past the
+    attention (o, the MLP: a catch-up's other rows' outputs are never read). The same
+    kernels in the same order as the head's torch calls (``spec/draft_head.py``), so the
+    same bits.
     ``weights``: :func:`head_layer_weights`' list, then the final norm and the LM head's
     q4q8 parts, then optionally fc's. None when the native side declines (an id, position,
     logit row or block out of range: nothing written)."""

@@ -87,10 +87,17 @@ at::Tensor mlp(const at::Tensor& h, const Matrix& gate_up_w, const Matrix& down_
 // that meta describes (a drafting round's new nodes among every node fed so far); the other
 // rows are neither computed nor written (their K/V are cached already), and the result is
 // [r, hidden], each row the same bits as when every row is computed. None: every row.
-at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::TensorList weights,
-                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
-                      at::TensorList meta, int64_t heads, int64_t kv_heads, double eps,
-                      double scale, const std::optional<at::Tensor>& rows_opt) {
+//
+// out_rows (int64 [l], checked in range by the caller; only without rows): the rows whose
+// outputs are wanted (a catch-up's last row per request: nothing reads the others'). Every
+// row's K/V is still written, but o, the residual and the MLP run on those rows only, and the
+// result is [l, hidden], each row the same bits as in the call over every row.
+at::Tensor head_layer_rows(const at::Tensor& emb, const at::Tensor& hidden,
+                           at::TensorList weights, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& kv_cache, at::TensorList meta, int64_t heads,
+                           int64_t kv_heads, double eps, double scale,
+                           const std::optional<at::Tensor>& rows_opt,
+                           const std::optional<at::Tensor>& out_rows_opt) {
     check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
     const size_t nw = weights.size();
     check(nw == 11 || nw == 15, "expected 11 or 15 head weights");
@@ -158,9 +165,25 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
         for (int64_t i = 0; i < rows; i++)
             std::memcpy(a_dst + i * hd, a_src + ix[i] * hd, static_cast<size_t>(hd) * 2);
     }
-    at::Tensor a = at::add(hidden, mm(attn, o_w, threads));
-    auto [h2, h2_unused] = add_rms_norm(a, none, post_norm, eps, small_threads);
-    return at::add(a, mlp(h2, gate_up_w, down_w, threads, small_threads));
+    at::Tensor residual = hidden;
+    int out_threads = small_threads;
+    if (out_rows_opt.has_value()) {  // every row's K/V is written: the rest on these rows
+        check(!rows_opt.has_value(), "out_rows and rows are exclusive");
+        attn = gather_rows(attn, *out_rows_opt);  // [l, H * D]
+        residual = gather_rows(hidden, *out_rows_opt);  // [l, hidden]
+        out_threads = attn.size(0) > par_rows ? threads : 1;
+    }
+    at::Tensor a = at::add(residual, mm(attn, o_w, threads));
+    auto [h2, h2_unused] = add_rms_norm(a, none, post_norm, eps, out_threads);
+    return at::add(a, mlp(h2, gate_up_w, down_w, threads, out_threads));
+}
+
+at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::TensorList weights,
+                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                      at::TensorList meta, int64_t heads, int64_t kv_heads, double eps,
+                      double scale, const std::optional<at::Tensor>& rows_opt) {
+    return head_layer_rows(emb, hidden, weights, cos, sin, kv_cache, meta, heads, kv_heads, eps,
+                           scale, rows_opt, std::nullopt);
 }
 
 // The draft head's whole forward over a step's rows in one call (DraftHeadRunner.propose:
@@ -169,14 +192,15 @@ at::Tensor head_layer(const at::Tensor& emb, const at::Tensor& hidden, at::Tenso
 //
 //   hidden = fc(hidden) when it is the target's fused features ([T, 3 hidden]), else as given
 //   emb    = embed[ids]; cos, sin = the RoPE tables' rows at positions
-//   out    = head_layer(emb, hidden, ...)                                  [T or r, hidden]
-//   logits = fp32(lm_head(rms_norm(out[logit_rows], final_norm)))          [l, V_d]
+//   out    = head_layer(emb, hidden, ...)[logit_rows]                      [l, hidden]
+//   logits = fp32(lm_head(rms_norm(out, final_norm)))                      [l, V_d]
 //
 // the same kernels in the same order as those torch calls, so the same bits. weights:
 // head_layer's 15 (q4q8), then final_norm and the LM head's 3 tensors, then (optionally)
 // fc's 3. rows as head_layer's (ids, positions and hidden hold only those rows); logit_rows
-// (int64, indices into out's rows; None: every row) the rows the LM head reads. Returns
-// {out, logits}.
+// (int64, indices into the rows; None: every row) the rows the LM head reads, and then the
+// only rows whose outputs are computed (head_layer_rows' out_rows; with rows, those rows'
+// outputs gathered): out is [l, hidden]. Returns {out, logits}.
 std::vector<at::Tensor> head_forward(const at::Tensor& ids, const at::Tensor& positions,
                                      const at::Tensor& hidden_in, const at::Tensor& embed,
                                      const at::Tensor& cos_table, const at::Tensor& sin_table,
@@ -209,10 +233,11 @@ std::vector<at::Tensor> head_forward(const at::Tensor& ids, const at::Tensor& po
     const at::Tensor emb = gather_rows(embed, ids);
     const at::Tensor cos = gather_rows(cos_table, positions);
     const at::Tensor sin = gather_rows(sin_table, positions);
-    at::Tensor out = head_layer(emb, hidden, weights.slice(0, 15), cos, sin, kv_cache, meta,
-                                heads, kv_heads, eps, scale, rows_opt);
-    at::Tensor picked = out;
-    if (logit_rows_opt.has_value()) picked = gather_rows(out, *logit_rows_opt);
+    const bool out_rows = logit_rows_opt.has_value() && !rows_opt.has_value();
+    at::Tensor picked = head_layer_rows(emb, hidden, weights.slice(0, 15), cos, sin, kv_cache,
+                                        meta, heads, kv_heads, eps, scale, rows_opt,
+                                        out_rows ? logit_rows_opt : std::nullopt);
+    if (logit_rows_opt.has_value() && !out_rows) picked = gather_rows(picked, *logit_rows_opt);
     const int64_t rows = picked.size(0);
     const at::Tensor none;
     auto [normed, normed_unused] = add_rms_norm(picked, none, weights[15], eps,
@@ -224,5 +249,5 @@ std::vector<at::Tensor> head_forward(const at::Tensor& ids, const at::Tensor& po
     const uint16_t* src = ptr<const uint16_t>(logits16);
     float* dst = logits.data_ptr<float>();
     for (int64_t i = 0; i < logits16.numel(); ++i) dst[i] = bf16_to_f32(src[i]);
-    return {out, logits};
+    return {picked, logits};
 }

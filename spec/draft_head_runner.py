@@ -11,7 +11,8 @@ pending, target features known for positions ``< n - 1``):
 
 1. catch-up (one batched forward over all requests): feed the pairs
    ``(fc(features[p]), x_{p+1})`` for ``p`` in ``[d, n - 1)``; the last row's output ``o``
-   gives the distribution of the first draft. Now ``d = n - 1``.
+   gives the distribution of the first draft. Now ``d = n - 1``. (Natively only that row
+   goes on past the attention: the others' outputs are never read, only their K/V.)
 2. rounds: a best-first search over tree nodes scored by the product of the head's
    probabilities along their path, ``rounds = min(ROUNDS, max_depth - 1)`` of them (a
    tree no deeper than the drafts the policy granted). Each round takes the best
@@ -154,9 +155,9 @@ class DraftHeadRunner:
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The forward in one native call (:func:`kernels.cpu_layer.head_forward`):
         ``hidden`` (the target's features ``[R, 3h]``, or parent outputs ``[r, h]``) ->
-        outputs ``o`` and the fp32 logits of their rows ``logit_rows`` (None: all), the
-        bits of :meth:`_forward` (or :meth:`_round_native`) then :meth:`_logits`; None where
-        it does not run."""
+        the outputs ``o`` of the rows ``logit_rows`` (None: all; the other rows only write
+        their K/V) and their fp32 logits, the bits of :meth:`_forward` (or
+        :meth:`_round_native`) then :meth:`_logits`; None where it does not run."""
         if self.native_forward is None:
             return None
         device = self.embed.device
@@ -250,12 +251,13 @@ class DraftHeadRunner:
         whole = self._whole_forward(features, plan.input_ids, plan.positions, meta,
                                     logit_rows=plan.logits_indices)
         if whole is not None:
-            out, first = whole  # [R, h], [B, V_d]
+            # every pair's K/V written; only each request's last row past the attention
+            last, first = whole  # [B, h], [B, V_d]
         else:
             out = self._forward(head.fc(features), plan.input_ids, plan, meta)  # [R, h]
-            first = self._logits(out[torch.tensor(plan.logits_indices, device=device)])
-        roots = [HeadSearch(inp, out[row]) for inp, row in
-                 zip(inputs, plan.logits_indices, strict=True)]
+            last = out[torch.tensor(plan.logits_indices, device=device)]  # [B, h]
+            first = self._logits(last)
+        roots = [HeadSearch(inp, last[b]) for b, inp in enumerate(inputs)]
         self._expand([(s, -1) for s in roots], first)
         # 2. rounds: feed the best candidates (K/V at their node slots), learn their children
         rounds = max(s.rounds for s in roots)

@@ -325,6 +325,52 @@ def test_native_head_layer_on_some_rows_equals_it_on_all(tmp_path: Path,
         assert torch.equal(untouched, kv0)
 
 
+def test_native_head_forward_at_logit_rows_equals_it_at_every_row(
+        tmp_path: Path, default_model_dir: Path) -> None:
+    """``head_forward(..., logit_rows)`` (a catch-up: only each request's last row goes past
+    the attention) gives those rows' outputs and logits the bits of the call over every row
+    and writes every row's K/V alike, on either CPU kind's q4q8 loop."""
+    import torch
+
+    from quickdraft.kernels import cpu_layer, cpu_q4q8
+    from quickdraft.kernels.attention_metadata import build_metadata
+
+    if not cpu_q4q8.available() or not cpu_layer.available():
+        pytest.skip("no q4q8 kernel or native layer here")
+    _, spec = _random_head_engines(tmp_path, default_model_dir, "int4-q8")
+    runner = spec.head
+    assert runner is not None and runner.native_forward is not None
+    g = torch.Generator().manual_seed(5)
+    width = len(runner.aux_layers) * runner.embed.shape[1]
+    feats = torch.randn(9, width, generator=g).bfloat16()  # two requests: 6 and 3 pairs
+    ids = torch.randint(0, runner.embed.shape[0], (9,), generator=g)
+    positions = torch.tensor([10, 11, 12, 13, 14, 15, 3, 4, 5])
+    meta = build_metadata([0, 6, 9], [16, 6], [[0], [1]], 16)
+    kv0 = torch.randn(2, 2, 16, runner.kv_heads, runner.head_dim, generator=g).bfloat16()
+
+    def forward(cache: torch.Tensor, picked: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            out = cpu_layer.head_forward(ids, positions, feats, runner.embed,
+                                         (runner.rotary.cos, runner.rotary.sin),
+                                         runner.native_forward, cache, meta, runner.heads,
+                                         runner.kv_heads, 1e-5, runner.scale, logit_rows=picked)
+        assert out is not None
+        return out
+
+    every = kv0.clone()
+    want_out, want_logits = forward(every, None)  # [9, h], [9, V_d]
+    for avx2_loop, rows in itertools.product((False, True), ([5, 8], [0], [2, 3, 8])):
+        cache = kv0.clone()
+        cpu_layer.use_q4q8_loop(False if avx2_loop else None)
+        try:
+            out, logits = forward(cache, torch.tensor(rows))
+        finally:
+            cpu_layer.use_q4q8_loop(None)
+        assert torch.equal(out, want_out[rows]) and torch.equal(logits, want_logits[rows])
+        assert torch.equal(cache, every), (avx2_loop, rows)
+
+
 @pytest.mark.parametrize("method", ["head", "combined"])
 def test_head_trees_on_the_triton_backend_equal_no_speculation(target: Path, head_dir: Path,
                                                                method: str) -> None:
