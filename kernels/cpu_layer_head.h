@@ -99,6 +99,7 @@ at::Tensor head_layer_rows(const at::Tensor& emb, const at::Tensor& hidden,
                            const std::optional<at::Tensor>& rows_opt,
                            const std::optional<at::Tensor>& out_rows_opt) {
     check(rms_fn && rope_fn && silu_fn && attend_fn, "set_cpu_kernels was not called");
+    check(!(rows_opt.has_value() && out_rows_opt.has_value()), "rows and out_rows are exclusive");
     const size_t nw = weights.size();
     check(nw == 11 || nw == 15, "expected 11 or 15 head weights");
     const bool q4q8 = nw == 15;
@@ -168,7 +169,6 @@ at::Tensor head_layer_rows(const at::Tensor& emb, const at::Tensor& hidden,
     at::Tensor residual = hidden;
     int out_threads = small_threads;
     if (out_rows_opt.has_value()) {  // every row's K/V is written: the rest on these rows
-        check(!rows_opt.has_value(), "out_rows and rows are exclusive");
         attn = gather_rows(attn, *out_rows_opt);  // [l, H * D]
         residual = gather_rows(hidden, *out_rows_opt);  // [l, hidden]
         out_threads = attn.size(0) > par_rows ? threads : 1;
