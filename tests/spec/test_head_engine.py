@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -19,6 +20,9 @@ from quickdraft.spec.params import SpeculationParams
 from quickdraft.spec.step_cost import StepCost
 from tests.conftest import make_tiny_model
 from tests.spec.test_spec_engine import GREEDY, PROMPTS, run_staggered
+
+if TYPE_CHECKING:
+    from quickdraft.spec.draft_head_runner import DraftHeadRunner
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +158,19 @@ def _random_head_engines(out: Path, default_model_dir: Path, weights: str,
     return engine("off", None), engine("head", str(out))
 
 
+def _native_head_engines(out: Path, default_model_dir: Path,
+                         ) -> tuple[LLMEngine, LLMEngine, DraftHeadRunner]:
+    """:func:`_random_head_engines` on q4q8 weights and the head's runner, whose layer runs
+    natively (skips where the q4q8 kernel or the native layer is not built here)."""
+    from quickdraft.kernels import cpu_layer, cpu_q4q8
+
+    if not cpu_q4q8.available() or not cpu_layer.available():
+        pytest.skip("no q4q8 kernel or native layer here")
+    plain, spec = _random_head_engines(out, default_model_dir, "int4-q8")
+    runner = spec.head
+    assert runner is not None and runner.native is not None
+    return plain, spec, runner
+
 def _assert_head_serves_losslessly(plain: LLMEngine, spec: LLMEngine, prompts: list[str],
                                    max_tokens: int) -> None:
     """Greedy output with the head equals output without speculation; blocks come back; the
@@ -193,15 +210,11 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
 
     from quickdraft.engine import loader
     from quickdraft.engine.models.llama_layers import ModelShape
-    from quickdraft.kernels import cpu_layer, cpu_q4q8
+    from quickdraft.kernels import cpu_layer
     from quickdraft.spec.draft_head_runner import HeadInput
 
-    if not cpu_q4q8.available() or not cpu_layer.available():
-        pytest.skip("no q4q8 kernel or native layer here")
+    plain, spec, runner = _native_head_engines(tmp_path, default_model_dir)
     shape = ModelShape.from_config(loader.load_config(default_model_dir))
-    plain, spec = _random_head_engines(tmp_path, default_model_dir, "int4-q8")
-    runner = spec.head
-    assert runner is not None and runner.native is not None
     g = torch.Generator().manual_seed(1)
     width = len(runner.aux_layers) * shape.hidden_size
     feats = torch.randn(30, width, generator=g)
@@ -279,14 +292,10 @@ def test_native_head_layer_on_some_rows_equals_it_on_all(tmp_path: Path,
     AVX2-only kind's loop (on a VNNI machine: the other kind's; the same bits)."""
     import torch
 
-    from quickdraft.kernels import cpu_layer, cpu_q4q8
+    from quickdraft.kernels import cpu_layer
     from quickdraft.kernels.attention_metadata import build_metadata
 
-    if not cpu_q4q8.available() or not cpu_layer.available():
-        pytest.skip("no q4q8 kernel or native layer here")
-    _, spec = _random_head_engines(tmp_path, default_model_dir, "int4-q8")
-    runner = spec.head
-    assert runner is not None and runner.native is not None
+    _, _, runner = _native_head_engines(tmp_path, default_model_dir)
     g = torch.Generator().manual_seed(3)
     h, base, nodes = runner.embed.shape[1], 21, 4
     emb = torch.randn(nodes, h, generator=g).bfloat16()
@@ -332,14 +341,11 @@ def test_native_head_forward_at_logit_rows_equals_it_at_every_row(
     and writes every row's K/V alike, on either CPU kind's q4q8 loop."""
     import torch
 
-    from quickdraft.kernels import cpu_layer, cpu_q4q8
+    from quickdraft.kernels import cpu_layer
     from quickdraft.kernels.attention_metadata import build_metadata
 
-    if not cpu_q4q8.available() or not cpu_layer.available():
-        pytest.skip("no q4q8 kernel or native layer here")
-    _, spec = _random_head_engines(tmp_path, default_model_dir, "int4-q8")
-    runner = spec.head
-    assert runner is not None and runner.native_forward is not None
+    _, _, runner = _native_head_engines(tmp_path, default_model_dir)
+    assert runner.native_forward is not None
     g = torch.Generator().manual_seed(5)
     width = len(runner.aux_layers) * runner.embed.shape[1]
     feats = torch.randn(9, width, generator=g).bfloat16()  # two requests: 6 and 3 pairs
