@@ -12,7 +12,8 @@ pending, target features known for positions ``< n - 1``):
 1. catch-up (one batched forward over all requests): feed the pairs
    ``(fc(features[p]), x_{p+1})`` for ``p`` in ``[d, n - 1)``; the last row's output ``o``
    gives the distribution of the first draft. Now ``d = n - 1``. (Natively only that row
-   goes on past the attention: the others' outputs are never read, only their K/V.)
+   goes on past the attention: the others' outputs are never read, only their K/V; the
+   torch path still computes them.)
 2. rounds: a best-first search over tree nodes scored by the product of the head's
    probabilities along their path, ``rounds = min(ROUNDS, max_depth - 1)`` of them (a
    tree no deeper than the drafts the policy granted). Each round takes the best
