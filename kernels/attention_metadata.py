@@ -274,6 +274,19 @@ def _fill_small(layout: MetadataLayout, query_start_loc: Sequence[int],
     return [*slots, *query_start_loc, *seq_lens, *tables]
 
 
+def pack_step(query_start_loc: Sequence[int], seq_lens: Sequence[int],
+              block_tables: Sequence[Sequence[int]], block_size: int,
+              ) -> tuple[MetadataLayout, list[int]]:
+    """An eager step's layout and packed array as a plain list (what :func:`build_metadata`
+    copies into its buffer; a native caller that takes the packed values as they are, e.g.
+    the draft head's ``HeadStack``, skips the tensors): the same checks and values."""
+    layout = _layout(query_start_loc[-1], len(seq_lens),
+                     max((len(t) for t in block_tables), default=0) or 1)
+    if len(block_tables) != len(seq_lens):
+        raise ValueError(f"{len(block_tables)} block tables for {len(seq_lens)} sequences")
+    return layout, _fill_small(layout, query_start_loc, seq_lens, block_tables, block_size)
+
+
 def build_metadata(query_start_loc: Sequence[int], seq_lens: Sequence[int],
                    block_tables: Sequence[Sequence[int]], block_size: int,
                    device: torch.device | str | None = None,

@@ -26,8 +26,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu_cpu_dispatch.h>
-#include <ATen/ops/add.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <torch/custom_class.h>
@@ -199,7 +197,17 @@ void mm_raw(const uint16_t* x, int64_t rows, int64_t k, const Matrix& w, uint16_
     std::memcpy(y, yt.data_ptr(), static_cast<size_t>(yt.numel()) * 2);
 }
 
-// RoPE in place on the q and k columns of qkv [rows, (H + 2 KVH) * D] (cos, sin: [rows, D]).
+// RoPE in place on the q and k columns of qkv [rows, (H + 2 KVH) * D] (cos, sin: bf16
+// [rows, D], D = width / (H + 2 KVH), which the caller checked).
+void rope_rows_raw(uint16_t* qkv, int64_t rows, int64_t width, const uint16_t* cos,
+                   const uint16_t* sin, int64_t heads, int64_t kv_heads, int small_threads) {
+    const int64_t d = width / (heads + 2 * kv_heads);
+    check(rope_fn(qkv, cos, sin, static_cast<int>(rows), static_cast<int>(heads + kv_heads),
+                  static_cast<int>(d), width, d, small_threads) == 0,
+          "rope kernel failed");
+}
+
+// rope_rows_raw with the tables as tensors (checked to fit).
 void rope_raw(uint16_t* qkv, int64_t rows, int64_t width, const at::Tensor& cos,
               const at::Tensor& sin, int64_t heads, int64_t kv_heads, int small_threads) {
     const int64_t d = width / (heads + 2 * kv_heads);
@@ -207,10 +215,8 @@ void rope_raw(uint16_t* qkv, int64_t rows, int64_t width, const at::Tensor& cos,
               && sin.numel() == rows * d && cos.is_contiguous() && sin.is_contiguous()
               && cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
           "qkv width or rope tables do not fit the heads");
-    check(rope_fn(qkv, cos.data_ptr(), sin.data_ptr(), static_cast<int>(rows),
-                  static_cast<int>(heads + kv_heads), static_cast<int>(d), width, d,
-                  small_threads) == 0,
-          "rope kernel failed");
+    rope_rows_raw(qkv, rows, width, ptr<const uint16_t>(cos), ptr<const uint16_t>(sin), heads,
+                  kv_heads, small_threads);
 }
 
 // The KV write (at meta.slots) and the attention over the paged cache for every row of the
@@ -251,6 +257,16 @@ void add_raw(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t n) {
     for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
 }
 
+// y [rows, hidden] = mm(silu_mul(mm(h, gate_up)), down), its intermediates from ``arena``.
+void mlp_raw(const uint16_t* h, int64_t rows, int64_t hidden, const Matrix& gate_up,
+             const Matrix& down, uint16_t* y, int threads, int small_threads, Arena& arena) {
+    const int64_t gu = out_features(gate_up), inter = gu / 2;
+    uint16_t* gate_up_out = take_bf16(arena, rows, gu);
+    mm_raw(h, rows, hidden, gate_up, gate_up_out, threads, arena);
+    uint16_t* act = take_bf16(arena, rows, inter);
+    silu_raw(gate_up_out, act, rows, inter, small_threads);
+    mm_raw(act, rows, inter, down, y, threads, arena);
+}
 
 // ---- A decoder layer on raw buffers ------------------------------------------------------
 
@@ -345,12 +361,7 @@ void run_layer_raw(const uint16_t* x, const uint16_t* residual, int64_t rows, in
     uint16_t* h2 = take_bf16(arena, rows, hidden);
     rms_raw(o, res, *lw.ln2, h2, r_out, rows, hidden, eps, small_threads);
 
-    const int64_t gu = out_features(lw.gate_up), inter = gu / 2;
-    uint16_t* gate_up = take_bf16(arena, rows, gu);
-    mm_raw(h2, rows, hidden, lw.gate_up, gate_up, threads, arena);
-    uint16_t* act = take_bf16(arena, rows, inter);
-    silu_raw(gate_up, act, rows, inter, small_threads);
-    mm_raw(act, rows, inter, lw.down, y, threads, arena);
+    mlp_raw(h2, rows, hidden, lw.gate_up, lw.down, y, threads, small_threads, arena);
 }
 
 // The op: one layer (weights as layer_weights reads them; meta as step_meta's), its
@@ -562,6 +573,10 @@ TORCH_LIBRARY(quickdraft_cpu, m) {
         .def("forward", &LayerStack::forward)
         .def("forward_normed", &LayerStack::forward_normed)
         .def("forward_normed_ids", &LayerStack::forward_normed_ids);
+    m.class_<HeadStack>("HeadStack")
+        .def(torch::init<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, int64_t,
+                         int64_t, double, double>())
+        .def("forward", &HeadStack::forward);
     m.def("set_cpu_kernels(int rms, int rope, int silu, int attend, int vec_block, "
           "int parallel_rows, int q4q8, int q6q8, int q4kq8, int q4q8_flags) -> ()");
     m.def("decoder_layer(Tensor x, Tensor? residual, Tensor[] weights, Tensor cos, "
@@ -570,16 +585,11 @@ TORCH_LIBRARY(quickdraft_cpu, m) {
     m.def("head_layer(Tensor emb, Tensor hidden, Tensor[] weights, Tensor cos, Tensor sin, "
           "Tensor(a!) kv_cache, Tensor[] meta, int heads, int kv_heads, float eps, "
           "float scale, Tensor? rows=None) -> Tensor");
-    m.def("head_forward(Tensor ids, Tensor positions, Tensor hidden, Tensor embed, "
-          "Tensor cos_table, Tensor sin_table, Tensor[] weights, Tensor(a!) kv_cache, "
-          "Tensor[] meta, int heads, int kv_heads, float eps, float scale, Tensor? rows=None, "
-          "Tensor? logit_rows=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(quickdraft_cpu, CompositeExplicitAutograd, m) {
     m.impl("decoder_layer", &decoder_layer);
     m.impl("head_layer", &head_layer);
-    m.impl("head_forward", &head_forward);
 }
 
 TORCH_LIBRARY_IMPL(quickdraft_cpu, CatchAll, m) {

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from quickdraft.kernels import cbuild, cpu_attention, cpu_fused, cpu_q4q8
-from quickdraft.kernels.attention_metadata import AttentionMetadata
+from quickdraft.kernels.attention_metadata import AttentionMetadata, MetadataLayout
 
 log = logging.getLogger(__name__)
 
@@ -279,33 +279,39 @@ def head_layer(emb: torch.Tensor,  # [T or r, hidden] bf16: the embeddings of th
     return out
 
 
-def head_forward(input_ids: torch.Tensor,  # int64 [T or r]: the rows' tokens
-                 positions: torch.Tensor,  # int64 [T or r]: their RoPE positions
-                 hidden: torch.Tensor,  # bf16 [T or r, 3 hidden] features or [.., hidden]
-                 embed: torch.Tensor,  # the target's bf16 [vocab, hidden] embeddings
-                 rope_tables: tuple[torch.Tensor, torch.Tensor],  # bf16 [positions, d]
-                 weights: list[torch.Tensor],  # head_layer's, + final norm, LM head (, fc)
-                 kv_cache: torch.Tensor, meta: AttentionMetadata, heads: int, kv_heads: int,
-                 eps: float, scale: float, rows: torch.Tensor | None = None,
-                 logit_rows: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The draft head's forward in one native call: :func:`head_layer` over the rows'
-    embeddings and RoPE rows (gathered inside), on ``hidden`` or, given the target's fused
-    features, on ``fc(hidden)``; its outputs ``[l, hidden]`` at the rows ``logit_rows``
-    (None: all) and their fp32 logits ``[l, V_d]`` through the final norm and the LM head.
-    Every row's K/V is written, but without ``rows`` only the ``logit_rows`` go on past the
-    attention (o, the MLP: a catch-up's other rows' outputs are never read). The same
-    kernels in the same order as the head's torch calls (``spec/draft_head.py``), so the
-    same bits.
-    ``weights``: :func:`head_layer_weights`' list, then the final norm and the LM head's
-    q4q8 parts, then optionally fc's. None when the native side declines (an id, position,
-    logit row or block out of range: nothing written)."""
-    mask = _NO_MASK if meta.tree_mask is None else meta.tree_mask
-    tensors = [meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc, mask]
+def head_stack(weights: list[torch.Tensor],  # head_layer's, + final norm, LM head, fc
+               embed: torch.Tensor,  # the target's bf16 [vocab, hidden] embeddings
+               rope_tables: tuple[torch.Tensor, torch.Tensor],  # bf16 [positions, d] each
+               heads: int, kv_heads: int, eps: float, scale: float) -> Any:
+    """The draft head bound once for :func:`run_head_stack` (the native ``HeadStack``):
+    ``weights`` are :func:`head_layer_weights`' list, then the final norm and the LM head's
+    q4q8 parts, then fc's."""
+    return torch.classes.quickdraft_cpu.HeadStack(weights, embed, rope_tables[0],
+                                                  rope_tables[1], heads, kv_heads, eps, scale)
+
+
+def run_head_stack(stack: Any, input_ids: list[int], positions: list[int],
+                   hidden: torch.Tensor,  # bf16 [r, 3 hidden] features or [r, hidden]
+                   kv_cache: torch.Tensor,  # the head's [2, blocks, block_size, kv_heads, d]
+                   layout: MetadataLayout, packed: list[int],  # attention_metadata.pack_step
+                   tree_mask: list[int] | None = None, rows: list[int] | None = None,
+                   logit_rows: list[int] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The draft head's forward in one native call on a bound ``stack``: :func:`head_layer`
+    over the rows' embeddings and RoPE rows (gathered inside), on ``hidden`` or, given the
+    target's fused features, on ``fc(hidden)``; its outputs ``[l, hidden]`` at the rows
+    ``logit_rows`` (None: all) and their fp32 logits ``[l, V_d]`` through the final norm and
+    the LM head. Without ``rows`` every row's K/V is written but only the ``logit_rows`` go
+    on past the attention (o, the MLP: a catch-up's other rows' outputs are never read);
+    ``rows`` as :func:`head_layer`'s. The step is given by its packed metadata (the values
+    :class:`AttentionMetadata`'s tensors would hold, ``tree_mask`` below 2^63) and every
+    index as a plain list. The same kernels in the same order as the head's torch calls
+    (``spec/draft_head.py``), so the same bits. None when the native side declines (an id,
+    position, index or block out of range: nothing written)."""
     try:
-        out, logits = torch.ops.quickdraft_cpu.head_forward(
-            input_ids, positions, hidden, embed, rope_tables[0], rope_tables[1], weights,
-            kv_cache, tensors, heads, kv_heads, eps, scale, rows, logit_rows)
+        out, logits = stack.forward(input_ids, positions, hidden, kv_cache, packed,
+                                    layout.num_seqs, layout.max_blocks, tree_mask or [],
+                                    rows or [], logit_rows or [])
     except (RuntimeError, ValueError):
         return None
     return out, logits

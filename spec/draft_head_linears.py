@@ -6,7 +6,7 @@ the target does (the kernel chosen by measurement at start-up, :mod:`engine.weig
 a 4-bit copy where the target's layers run 4-bit. Where the target runs its layers in one
 native call on q4q8 weights, :func:`native_layer_weights` and :func:`native_forward_weights`
 give the weight lists of :func:`kernels.cpu_layer.head_layer` and
-:func:`kernels.cpu_layer.head_forward`. Lossless whatever the kernel: drafts are verified.
+:func:`kernels.cpu_layer.head_stack`. Lossless whatever the kernel: drafts are verified.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def native_layer_weights(head: DraftHead, kernel: str, target: LlamaForCausalLM,
 
 def native_forward_weights(head: DraftHead, layer: list[torch.Tensor] | None,
                            ) -> list[torch.Tensor] | None:
-    """:func:`kernels.cpu_layer.head_forward`'s weight list: the layer's (``layer``, from
+    """:func:`kernels.cpu_layer.head_stack`'s weight list: the layer's (``layer``, from
     :func:`native_layer_weights`), the final norm, the LM head's q4q8 parts and fc's; None
     without the native layer or those copies."""
     lm_head, fc = _q4q8(head.lm_head), _q4q8(head.fc)

@@ -27,7 +27,7 @@ pending, target features known for positions ``< n - 1``):
    positions ``[0, base]``, with its path as its ancestor mask. Only the new nodes are
    computed: earlier rounds' rows get a zero query and write nothing (their K/V are
    cached). On q4q8 weights (bf16 on the CPU) the whole forward is one native call
-   (:func:`kernels.cpu_layer.head_forward` with the new nodes' ``rows``: fc on a
+   (:func:`kernels.cpu_layer.run_head_stack` with the new nodes' ``rows``: fc on a
    catch-up's features, the embedding and RoPE rows, the layer, the LM head's fp32
    logits), the same bits as the torch calls around the layer, each slow after a target
    step has left the dispatcher's code and data cold (on the 2-core AMX Xeon, proposals
@@ -56,9 +56,9 @@ from quickdraft.engine.kv_cache import kv_bytes_per_block
 from quickdraft.engine.models.llama import LlamaForCausalLM
 from quickdraft.engine.sampler import apply_temperature_and_filters, sample_from_probs
 from quickdraft.engine.sampling_params import SamplingParams
-from quickdraft.engine.step_plan import StepPlan
+from quickdraft.engine.step_plan import CHECK_INVARIANTS, StepPlan
 from quickdraft.kernels import cpu_fused, cpu_layer
-from quickdraft.kernels.attention_metadata import AttentionMetadata
+from quickdraft.kernels.attention_metadata import AttentionMetadata, pack_step
 from quickdraft.spec.draft_head import DraftHead
 from quickdraft.spec.draft_head_linears import (
     native_forward_weights,
@@ -100,9 +100,13 @@ class DraftHeadRunner:
         # the layer in one native call (kernels.cpu_layer.head_layer) where the target runs
         # its own layers natively on q4q8 weights; None: the Python layer
         self.native = native_layer_weights(self.head, self.kernel, target)
-        # ... and the whole forward (fc, the gathers, the layer, the LM head:
-        # kernels.cpu_layer.head_forward) where fc and the LM head have q4q8 copies too
+        # ... and the whole forward (fc, the gathers, the layer, the LM head) in one call
+        # where fc and the LM head have q4q8 copies too: kernels.cpu_layer.head_stack, its
+        # weights bound once, each step's metadata and indices as plain lists
         self.native_forward = native_forward_weights(self.head, self.native)
+        self.native_stack = None if self.native_forward is None else cpu_layer.head_stack(
+            self.native_forward, self.embed, (self.rotary.cos, self.rotary.sin), self.heads,
+            self.kv_heads, c.rms_norm_eps, self.scale)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -151,23 +155,26 @@ class DraftHeadRunner:
                                     self.head.config.rms_norm_eps, self.scale, rows)
 
     def _whole_forward(self, hidden: torch.Tensor, token_ids: list[int], positions: list[int],
-                       meta: AttentionMetadata, rows: torch.Tensor | None = None,
+                       plan: StepPlan, rows: list[int] | None = None,
                        logit_rows: list[int] | None = None,
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The forward in one native call (:func:`kernels.cpu_layer.head_forward`):
-        ``hidden`` (the target's features ``[R, 3h]``, or parent outputs ``[r, h]``) ->
-        the outputs ``o`` of the rows ``logit_rows`` (None: all; the other rows only write
-        their K/V) and their fp32 logits, the bits of :meth:`_forward` (or
-        :meth:`_round_native`) then :meth:`_logits`; None where it does not run."""
-        if self.native_forward is None:
+        """The forward in one native call (:func:`kernels.cpu_layer.run_head_stack`) over
+        ``plan``'s step (``rows``: only those, as :meth:`_round_native`'s): ``hidden`` (the
+        target's features ``[R, 3h]``, or parent outputs ``[r, h]``) -> the outputs ``o`` of
+        the rows ``logit_rows`` (None: all; the other rows only write their K/V) and their
+        fp32 logits, the bits of :meth:`_forward` (or :meth:`_round_native`) then
+        :meth:`_logits`; None where it does not run. The step's metadata goes as its packed
+        values (no tensors: right after a target step each tensor made here costs tens of
+        microseconds)."""
+        if self.native_stack is None:
             return None
-        device = self.embed.device
-        index = torch.tensor([token_ids, positions], dtype=torch.int64, device=device)
-        picked = None if logit_rows is None else torch.tensor(logit_rows, device=device)
-        return cpu_layer.head_forward(index[0], index[1], hidden.contiguous(), self.embed,
-                                      (self.rotary.cos, self.rotary.sin), self.native_forward,
-                                      self.kv_cache, meta, self.heads, self.kv_heads,
-                                      self.head.config.rms_norm_eps, self.scale, rows, picked)
+        if CHECK_INVARIANTS:
+            plan.check_invariants(self.block_size)
+        layout, packed = pack_step(plan.query_start_loc, plan.seq_lens, plan.block_tables,
+                                   self.block_size)
+        return cpu_layer.run_head_stack(self.native_stack, token_ids, positions,
+                                        hidden.contiguous(), self.kv_cache, layout, packed,
+                                        plan.tree_mask, rows, logit_rows)
 
     def _forward(self, hidden: torch.Tensor, token_ids: list[int], plan: StepPlan,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -247,14 +254,17 @@ class DraftHeadRunner:
         plan = StepPlan.from_feeds(feeds, [inp.start_pos for inp in inputs],
                                    [inp.block_table for inp in inputs])
         device = self.embed.device
-        features = torch.cat([inp.features for inp in inputs]).to(device, head.fc.weight.dtype)
-        meta = plan.attention_metadata(self.block_size, device)
-        whole = self._whole_forward(features, plan.input_ids, plan.positions, meta,
+        features = inputs[0].features if len(inputs) == 1 else \
+            torch.cat([inp.features for inp in inputs])  # [R, 3h]
+        if features.device != device or features.dtype != head.fc.weight.dtype:
+            features = features.to(device, head.fc.weight.dtype)
+        whole = self._whole_forward(features, plan.input_ids, plan.positions, plan,
                                     logit_rows=plan.logits_indices)
         if whole is not None:
             # every pair's K/V written; only each request's last row past the attention
             last, first = whole  # [B, h], [B, V_d]
         else:
+            meta = plan.attention_metadata(self.block_size, device)
             out = self._forward(head.fc(features), plan.input_ids, plan, meta)  # [R, h]
             last = out[torch.tensor(plan.logits_indices, device=device)]  # [B, h]
             first = self._logits(last)
@@ -268,15 +278,16 @@ class DraftHeadRunner:
                 break
             rows = [(s, node) for s in active for node in s.pending]
             plan = self._round_plan(active)
-            meta = plan.attention_metadata(self.block_size, device)
-            fed = torch.tensor([plan.query_start_loc[a] + node for a, s in enumerate(active)
-                                for node in s.pending], device=device)  # [r] flat rows
+            flat = [plan.query_start_loc[a] + node for a, s in enumerate(active)
+                    for node in s.pending]  # [r] the new nodes' rows of the step
             parents = torch.stack([s.parent_out(n) for s, n in rows])  # [r, h]
             whole = self._whole_forward(parents, [s.tokens[n] for s, n in rows],
-                                        [s.base + s.depth[n] for s, n in rows], meta, fed)
+                                        [s.base + s.depth[n] for s, n in rows], plan, flat)
             if whole is not None:
                 out, logits = whole
             else:
+                meta = plan.attention_metadata(self.block_size, device)
+                fed = torch.tensor(flat, device=device)
                 native = self._round_native(rows, parents, meta, fed)
                 out = native if native is not None else \
                     self._round_python(rows, parents, plan, meta, fed)

@@ -14,6 +14,7 @@ from quickdraft.kernels.attention_metadata import (
     MetadataLayout,
     build_metadata,
     fill_packed,
+    pack_step,
     unpack,
 )
 
@@ -93,6 +94,8 @@ def test_a_step_that_does_not_fit_is_refused(layout):
 def test_a_step_breaking_the_invariants_is_refused(qsl, lens, tables):
     with pytest.raises(ValueError):
         build_metadata(qsl, lens, tables, BLOCK)
+    with pytest.raises(ValueError):
+        pack_step(qsl, lens, tables, BLOCK)
 
 
 def test_invariant_check_catches_a_wrong_slot():
@@ -121,4 +124,6 @@ def test_small_steps_pack_as_fill_packed_does():
         fill_packed(want, layout, qsl, lens, tables, block)
         small += layout.size <= SMALL_STEP_SIZE
         assert np.array_equal(build_metadata(qsl, lens, tables, block).host, want)
+        packed_layout, packed = pack_step(qsl, lens, tables, block)  # any size, as a list
+        assert packed_layout == layout and packed == want.tolist()
     assert small > 100

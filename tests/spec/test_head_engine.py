@@ -201,7 +201,7 @@ def test_int4_head_on_the_default_model_is_lossless(tmp_path: Path,
 def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
                                                                default_model_dir: Path) -> None:
     """On q4q8 weights (the default model in bf16) the head's whole forward runs in one
-    native call (kernels.cpu_layer.head_forward: fc, the gathers, the layer, the LM head),
+    native call (kernels.cpu_layer.run_head_stack: fc, the gathers, the layer, the LM head),
     else its layer alone (kernels.cpu_layer.head_layer): the same kernels in the same order
     as the Python forward, so the same trees and chains with the same scores, bit for bit,
     at batch 1 and 2, also with the q4q8 matmuls on the AVX2-only kind's loop; and greedy
@@ -223,10 +223,10 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
                         SamplingParams(temperature=0.0), None, max_depth=4),
               HeadInput(feats[:20], tokens[1:21], 0, 4, tuple(range(4, 8)),
                         SamplingParams(temperature=0.0), None, tree=False)]  # 3 rounds
-    assert runner.native_forward is not None  # the whole forward in one call
+    assert runner.native_stack is not None  # the whole forward in one call
     for batch in (inputs[:1], inputs):
         whole = runner.propose(batch)
-        forward, runner.native_forward = runner.native_forward, None
+        stack, runner.native_stack = runner.native_stack, None
         try:
             native = runner.propose(batch)  # the layer alone native
             weights, runner.native = runner.native, None
@@ -235,7 +235,7 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
             finally:
                 runner.native = weights
         finally:
-            runner.native_forward = forward
+            runner.native_stack = stack
         cpu_layer.use_q4q8_loop(False)  # the AVX2-only kind's loop (the same on either)
         try:
             avx2 = runner.propose(batch)
@@ -247,7 +247,7 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
             assert len(a.tree) > 1
     assert native[1].tree.max_depth == 4  # (this untrained head's tree is flat)
     # a step the attention kernel rejects (a block id out of range): None, nothing written
-    from quickdraft.kernels.attention_metadata import build_metadata
+    from quickdraft.kernels.attention_metadata import build_metadata, pack_step
 
     kv = torch.zeros(2, 4, 16, runner.kv_heads, runner.head_dim, dtype=torch.bfloat16)
     meta = build_metadata([0, 2], [2], [[7]], 16)
@@ -258,26 +258,22 @@ def test_native_head_layer_drafts_what_the_python_layer_drafts(tmp_path: Path,
                                    runner.heads, runner.kv_heads, shape.rms_norm_eps,
                                    runner.scale)
     assert out is None and not kv.any()
-    # the whole forward likewise, and for a token id, a position or a logit row out of range
-    ids, positions = torch.tensor([1, 2]), torch.arange(2)
-    good = build_metadata([0, 2], [2], [[0]], 16)
-    for bad_ids, bad_positions, step, picked in (
-            (ids, positions, meta, None),
-            (torch.tensor([1, shape.vocab_size]), positions, good, None),
-            (ids, torch.tensor([0, 1 << 40]), good, None),
-            (ids, positions, good, torch.tensor([2]))):
+    # the whole forward likewise, and for a token id, a position, a logit row, a round's
+    # row or a tree mask out of range
+    def whole_forward(ids: list[int], positions: list[int], block: int = 0,
+                      picked: list[int] | None = None, fed: list[int] | None = None,
+                      masks: list[int] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        layout, packed = pack_step([0, 2], [2], [[block]], 16)
         with torch.inference_mode():
-            out = cpu_layer.head_forward(bad_ids, bad_positions, rows, runner.embed,
-                                         (runner.rotary.cos, runner.rotary.sin),
-                                         runner.native_forward, kv, step, runner.heads,
-                                         runner.kv_heads, shape.rms_norm_eps, runner.scale,
-                                         logit_rows=picked)
-        assert out is None and not kv.any()
-    with torch.inference_mode():  # and the same step in range: computed, its K/V written
-        done = cpu_layer.head_forward(ids, positions, rows, runner.embed,
-                                      (runner.rotary.cos, runner.rotary.sin),
-                                      runner.native_forward, kv, good, runner.heads,
-                                      runner.kv_heads, shape.rms_norm_eps, runner.scale)
+            return cpu_layer.run_head_stack(runner.native_stack, ids, positions, rows, kv,
+                                            layout, packed, masks, fed, picked)
+
+    for bad in ({"block": 7}, {"ids": [1, shape.vocab_size]}, {"positions": [0, 1 << 40]},
+                {"picked": [2]}, {"fed": [1, 0]}, {"fed": [0, 2]}, {"masks": [1]}):
+        args = {"ids": [1, 2], "positions": [0, 1], **bad}
+        assert whole_forward(**args) is None and not kv.any(), bad  # type: ignore[arg-type]
+    done = whole_forward([1, 2], [0, 1])  # the same step in range: computed, K/V written
     assert done is not None and kv.any()
     vocab = runner.head.config.draft_vocab_size
     assert done[1].dtype == torch.float32 and done[1].shape == (2, vocab)
@@ -336,31 +332,29 @@ def test_native_head_layer_on_some_rows_equals_it_on_all(tmp_path: Path,
 
 def test_native_head_forward_at_logit_rows_equals_it_at_every_row(
         tmp_path: Path, default_model_dir: Path) -> None:
-    """``head_forward(..., logit_rows)`` (a catch-up: only each request's last row goes past
+    """``run_head_stack(..., logit_rows)`` (a catch-up: only each request's last row goes past
     the attention) gives those rows' outputs and logits the bits of the call over every row
     and writes every row's K/V alike, on either CPU kind's q4q8 loop."""
     import torch
 
     from quickdraft.kernels import cpu_layer
-    from quickdraft.kernels.attention_metadata import build_metadata
+    from quickdraft.kernels.attention_metadata import pack_step
 
     _, _, runner = _native_head_engines(tmp_path, default_model_dir)
-    assert runner.native_forward is not None
+    assert runner.native_stack is not None
     g = torch.Generator().manual_seed(5)
     width = len(runner.aux_layers) * runner.embed.shape[1]
     feats = torch.randn(9, width, generator=g).bfloat16()  # two requests: 6 and 3 pairs
-    ids = torch.randint(0, runner.embed.shape[0], (9,), generator=g)
-    positions = torch.tensor([10, 11, 12, 13, 14, 15, 3, 4, 5])
-    meta = build_metadata([0, 6, 9], [16, 6], [[0], [1]], 16)
+    ids = torch.randint(0, runner.embed.shape[0], (9,), generator=g).tolist()
+    positions = [10, 11, 12, 13, 14, 15, 3, 4, 5]
+    layout, packed = pack_step([0, 6, 9], [16, 6], [[0], [1]], 16)
     kv0 = torch.randn(2, 2, 16, runner.kv_heads, runner.head_dim, generator=g).bfloat16()
 
-    def forward(cache: torch.Tensor, picked: torch.Tensor | None,
+    def forward(cache: torch.Tensor, picked: list[int] | None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.inference_mode():
-            out = cpu_layer.head_forward(ids, positions, feats, runner.embed,
-                                         (runner.rotary.cos, runner.rotary.sin),
-                                         runner.native_forward, cache, meta, runner.heads,
-                                         runner.kv_heads, 1e-5, runner.scale, logit_rows=picked)
+            out = cpu_layer.run_head_stack(runner.native_stack, ids, positions, feats, cache,
+                                           layout, packed, logit_rows=picked)
         assert out is not None
         return out
 
@@ -370,7 +364,7 @@ def test_native_head_forward_at_logit_rows_equals_it_at_every_row(
         cache = kv0.clone()
         cpu_layer.use_q4q8_loop(False if avx2_loop else None)
         try:
-            out, logits = forward(cache, torch.tensor(rows))
+            out, logits = forward(cache, rows)
         finally:
             cpu_layer.use_q4q8_loop(None)
         assert torch.equal(out, want_out[rows]) and torch.equal(logits, want_logits[rows])
