@@ -31,8 +31,8 @@ void gather_raw(const uint16_t* src, int64_t width, const int64_t* ix, int64_t n
         std::memcpy(dst + i * width, src + ix[i] * width, static_cast<size_t>(width) * 2);
 }
 
-// A vector's values, checked: non-empty (unless allowed), each in [0, n), and (strictly)
-// increasing where asked.
+// A vector's values, checked: each in [0, n) and, where asked, strictly increasing. Its
+// data, or null when it is empty.
 const int64_t* checked_indices(const std::vector<int64_t>& v, int64_t n, bool increasing,
                                const char* what) {
     for (size_t i = 0; i < v.size(); ++i)
